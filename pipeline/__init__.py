@@ -1,0 +1,1 @@
+"""Throughput-first speculative batch generation with MTP draft heads."""
