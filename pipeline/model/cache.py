@@ -1,0 +1,88 @@
+"""KV cache with a length per row, and the per-forward `Batch` that says where to read and write.
+
+Rows advance by different amounts each step. A row's length lives with the engine; the cache
+only stores keys and values by absolute position. Rolling back rejected drafts is therefore a
+length change: stale slots beyond a row's length are masked out and overwritten by the next
+write, never copied or recomputed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Which cache rows a forward touches and at which absolute positions.
+
+    rows:      [n] cache row of each batch row
+    positions: [n, q] absolute position of each query token
+    kv_len:    keys 0..kv_len-1 are attended (the cache is read only up to there)
+    key_valid: optional [n, kv_len] keys that may be attended at all (MTP caches have holes)
+    prefix:    True when rows == arange(n): cache reads are views, not gathers
+    cos, sin:  [n, q, head_dim] rotary tables for `positions`, set by the model
+    """
+    rows: torch.Tensor
+    positions: torch.Tensor
+    kv_len: int
+    key_valid: torch.Tensor | None = None
+    prefix: bool = False
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def make(cls, positions: torch.Tensor, rows: torch.Tensor | None = None,
+             kv_len: int | None = None, key_valid: torch.Tensor | None = None) -> "Batch":
+        n = positions.shape[0]
+        prefix = rows is None
+        if rows is None:
+            rows = torch.arange(n, device=positions.device)
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        return cls(rows, positions, kv_len, key_valid, prefix)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[n, 1, q, kv_len] bool: key j is visible to the query at position p iff j <= p,
+        j > p - window (sliding layers), and key_valid allows j."""
+        if window not in self._masks:
+            keys = torch.arange(self.kv_len, device=self.positions.device)      # [T]
+            pos = self.positions[:, :, None]                                    # [n, q, 1]
+            allowed = keys <= pos
+            if window is not None:
+                allowed &= keys > pos - window
+            if self.key_valid is not None:
+                allowed &= self.key_valid[:, None, :]
+            self._masks[window] = allowed[:, None]
+        return self._masks[window]
+
+
+class KVCache:
+    """Keys and values for `num_layers` layers and `batch_size` rows, by absolute position."""
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)   # [layers, rows, kv_heads, T, d]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+
+    def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [n, kv_heads, q, d] for the query positions of `batch`."""
+        rows, pos = batch.rows[:, None], batch.positions                     # [n, 1], [n, q]
+        self.k[layer][rows, :, pos] = k.transpose(1, 2)
+        self.v[layer][rows, :, pos] = v.transpose(1, 2)
+
+    def read(self, layer: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [n, kv_heads, kv_len, d] for the rows of `batch`."""
+        t = batch.kv_len
+        if batch.prefix:
+            n = batch.rows.shape[0]
+            return self.k[layer, :n, :, :t], self.v[layer, :n, :, :t]
+        return self.k[layer, batch.rows, :, :t], self.v[layer, batch.rows, :, :t]
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy one row onto another (used to keep active rows contiguous, never for rollback)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]

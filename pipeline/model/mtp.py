@@ -1,0 +1,135 @@
+"""MTP draft heads in the DeepSeek-V3 layout.
+
+Head k at position i takes h_i (the previous depth's output; the target's final-norm'ed hidden
+state for depth 1) and the token t_{i+1}, and predicts t_{i+2}:
+
+    x   = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)])
+    out = decoder_layer(x)                      # the target's layer type, own KV cache
+    logits = shared_head.head(shared_head.norm(out))
+
+Checkpoint keys live under `model.layers.{num_hidden_layers + k}.*` with `num_nextn_predict_layers`
+in config.json (DeepSeek-V3, GLM-4.5), so such a checkpoint still loads with plain transformers.
+`shared_head.head` and `embed_tokens` fall back to the target's where the checkpoint omits them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from pipeline.model.cache import Batch, KVCache
+from pipeline.model.config import ModelConfig
+from pipeline.model.layers import DecoderLayer, RMSNorm
+from pipeline.model.target import TargetModel
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_head: bool):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if with_head else None
+
+
+class MTPHead(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, with_head: bool = False, with_embed: bool = False):
+        super().__init__(cfg)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(cfg, with_head)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if with_embed else None
+        self._target: TargetModel | None = None
+
+    def bind(self, target: TargetModel) -> "MTPHead":
+        """Share the target's embedding, output head and rotary tables (not registered as params)."""
+        object.__setattr__(self, "_target", target)
+        return self
+
+    @classmethod
+    def from_target(cls, target: TargetModel, config: ModelConfig | None = None) -> "MTPHead":
+        """A fresh head (std 0.02 linears, norms copied from the target's final norm)."""
+        cfg = config or target.cfg
+        ref = target.model.norm.weight
+        head = cls(cfg).to(device=ref.device, dtype=ref.dtype)
+        for module in head.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        with torch.no_grad():
+            head.shared_head.norm.weight.copy_(target.model.norm.weight)
+        return head.bind(target)
+
+    def forward(self, prev_hidden: torch.Tensor, next_ids: torch.Tensor, batch: Batch,
+                cache: KVCache | None, layer: int = 0) -> torch.Tensor:
+        """prev_hidden: [n, q, hidden] (h_i); next_ids: [n, q] (t_{i+1}). Returns [n, q, hidden]."""
+        target = self._target
+        target.attach_rope(batch)
+        emb = self.embed_tokens(next_ids) if self.embed_tokens is not None else target.embed(next_ids)
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(prev_hidden)], dim=-1))
+        return self.block(x, batch, cache, layer)
+
+    def forward_full(self, prev_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Causal forward over whole sequences from position 0, no cache (for training)."""
+        b, t = next_ids.shape
+        positions = torch.arange(t, device=next_ids.device).expand(b, t)
+        return self.forward(prev_hidden, next_ids, Batch.make(positions), None)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab] float32: the draft distribution's logits."""
+        x = self.shared_head.norm(out)
+        if self.shared_head.head is not None:
+            return self.shared_head.head(x).float()
+        return self._target.logits(x)
+
+
+def head_for_depth(num_heads: int, depth: int) -> int:
+    """Index of the head that drafts depth `depth` (1-based); the last head is reused beyond K."""
+    return min(depth, num_heads) - 1
+
+
+def mtp_state_dict(heads, num_layers: int) -> dict[str, torch.Tensor]:
+    """The heads' tensors under DeepSeek keys `model.layers.{num_layers + k}.*`."""
+    out = {}
+    for k, head in enumerate(heads):
+        for name, tensor in head.state_dict().items():
+            out[f"model.layers.{num_layers + k}.{name}"] = tensor.detach().cpu().contiguous()
+    return out
+
+
+def save_mtp_heads(checkpoint_dir: str | Path, heads) -> None:
+    """Write `heads` into a checkpoint in DeepSeek naming, replacing any heads it had.
+
+    A single-file checkpoint gets the tensors inside `model.safetensors`; a sharded one gets
+    `model-mtp.safetensors` listed in its index. config.json gains `num_nextn_predict_layers`.
+    """
+    root = Path(checkpoint_dir)
+    config_path = root / "config.json"
+    config = json.loads(config_path.read_text())
+    n = config["num_hidden_layers"]
+    new = mtp_state_dict(heads, n)
+
+    def is_mtp(key: str) -> bool:
+        parts = key.split(".")
+        return key.startswith("model.layers.") and int(parts[2]) >= n
+
+    index_path = root / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not is_mtp(k)}
+        save_file(new, str(root / "model-mtp.safetensors"), metadata={"format": "pt"})
+        index["weight_map"].update({k: "model-mtp.safetensors" for k in new})
+        index_path.write_text(json.dumps(index, indent=2))
+    else:
+        path = root / "model.safetensors"
+        tensors = {k: v for k, v in load_file(str(path)).items() if not is_mtp(k)}
+        tensors.update(new)
+        tmp = root / "model.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.replace(path)
+    config["num_nextn_predict_layers"] = len(heads)
+    config_path.write_text(json.dumps(config, indent=2))

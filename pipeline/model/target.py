@@ -1,0 +1,62 @@
+"""The target model: a native forward for Llama-family checkpoints over a per-row KV cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from pipeline.model.cache import Batch, KVCache
+from pipeline.model.config import ModelConfig
+from pipeline.model.layers import DecoderLayer, RMSNorm
+
+
+class _Body(nn.Module):
+    """Holds the parameters stored under `model.*` in Hugging Face checkpoints."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.sliding_windows)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, hf_config):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Body(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._hf_config = hf_config
+        self.rotary: nn.Module | None = None
+
+    def init_rotary(self, device) -> None:
+        """Rotary frequencies come from transformers' own code, so every RoPE variant matches."""
+        self.rotary = LlamaRotaryEmbedding(self._hf_config).to(device)
+
+    def attach_rope(self, batch: Batch) -> Batch:
+        if batch.cos is None:
+            dummy = self.model.norm.weight
+            batch.cos, batch.sin = self.rotary(dummy, batch.positions)          # [n, q, head_dim]
+        return batch
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
+        """tokens: [n, q] at `batch.positions`. Returns final-norm'ed hidden states [n, q, hidden]."""
+        self.attach_rope(batch)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch, cache, i)
+        return self.model.norm(x)
+
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Causal forward over whole sequences [B, T] from position 0, no cache (for training)."""
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        return self.forward(input_ids, Batch.make(positions), None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab] in float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.T).float()
