@@ -1,0 +1,230 @@
+"""Validated run configuration: frozen dataclasses built from the Hydra config.
+
+The YAML in `conf/` is the source of the values; these dataclasses are the contract the
+library code reads. Each section checks its own ranges in `__post_init__` and raises
+`ConfigError` with the key's full name, so a bad override fails before any work starts.
+No I/O happens here (paths are checked by the code that opens them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or of the wrong kind."""
+
+
+class UserError(RuntimeError):
+    """A problem the user can fix (missing file, bad path); printed without a traceback."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""                 # HF checkpoint directory
+    device: str = "auto"           # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"            # auto | float32 | bfloat16 | float16
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.path, str) and self.path != "", "model.path must be a non-empty path")
+        _check(self.device == "auto" or self.device == "cpu" or str(self.device).startswith("cuda"),
+               f"model.device must be auto, cpu or cuda[:N], got {self.device!r}")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"model.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""                           # Parquet file, directory or glob
+    prompt_column: str | None = "prompt"     # used when template is null
+    template: str | None = None              # e.g. "Summarize:\n{text}\nSummary:"
+    id_column: str | None = None             # else id = row position in the dataset
+    task_column: str | None = None           # per-task acceptance tracking
+    tasks: tuple[str, ...] | None = None     # keep only rows whose task is listed
+    limit: int | None = None                 # only the first N (kept) rows
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.path, str) and self.path != "", "data.path must be a non-empty path")
+        _check(self.template is not None or bool(self.prompt_column),
+               "set data.prompt_column or data.template")
+        if self.template is not None:
+            _check(isinstance(self.template, str) and self.template != "",
+                   "data.template must be a non-empty string or null")
+        _check(self.limit is None or (_is_int(self.limit) and self.limit > 0),
+               f"data.limit must be null or an int > 0, got {self.limit!r}")
+        if self.tasks is not None:
+            _check(self.task_column is not None, "data.tasks needs data.task_column")
+            _check(len(self.tasks) > 0, "data.tasks must be null or a non-empty list")
+            object.__setattr__(self, "tasks", tuple(str(t) for t in self.tasks))
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = ""                            # run directory
+    keep_columns: tuple[str, ...] = ()       # input columns copied to the outputs
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.dir, str) and self.dir != "", "output.dir must be a non-empty path")
+        object.__setattr__(self, "keep_columns", tuple(str(c) for c in self.keep_columns))
+        reserved = set(OUTPUT_COLUMNS) & set(self.keep_columns)
+        _check(not reserved, f"output.keep_columns clash with output columns: {sorted(reserved)}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    gamma: int | str = "auto"     # 'auto' or an int >= 0 (0 = no speculation)
+    gamma_max: int = 5            # caps 'auto'
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.gamma_max) and self.gamma_max >= 0,
+               f"spec.gamma_max must be an int >= 0, got {self.gamma_max!r}")
+        if self.gamma != "auto":
+            _check(_is_int(self.gamma) and self.gamma >= 0,
+                   f"spec.gamma must be 'auto' or an int >= 0, got {self.gamma!r}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
+               f"sampling.max_new_tokens must be an int > 0, got {self.max_new_tokens!r}")
+        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+               f"sampling.temperature must be >= 0, got {self.temperature!r}")
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+               f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0,
+               f"sampling.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        _check(_is_int(self.seed), f"sampling.seed must be an int, got {self.seed!r}")
+        object.__setattr__(self, "stop", tuple(str(s) for s in self.stop))
+        _check(all(self.stop), "sampling.stop must not contain empty strings")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_batch_size) and self.max_batch_size > 0,
+               f"engine.max_batch_size must be an int > 0, got {self.max_batch_size!r}")
+
+
+@dataclass(frozen=True)
+class ShardsConfig:
+    rows_per_shard: int = 256
+    max_attempts: int = 3         # tries per shard before its rows are written as errors
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.rows_per_shard) and self.rows_per_shard > 0,
+               f"shards.rows_per_shard must be an int > 0, got {self.rows_per_shard!r}")
+        _check(_is_int(self.max_attempts) and self.max_attempts > 0,
+               f"shards.max_attempts must be an int > 0, got {self.max_attempts!r}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    address: str | None = None    # null: start Ray in-process; 'auto' or an address: join
+    num_actors: int = 1
+    gpus_per_actor: float = 1
+    cpus_per_actor: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.address is None or (isinstance(self.address, str) and self.address != ""),
+               f"cluster.address must be null, 'auto' or an address, got {self.address!r}")
+        _check(_is_int(self.num_actors) and self.num_actors > 0,
+               f"cluster.num_actors must be an int > 0, got {self.num_actors!r}")
+        _check(isinstance(self.gpus_per_actor, (int, float)) and self.gpus_per_actor > 0,
+               f"cluster.gpus_per_actor must be > 0, got {self.gpus_per_actor!r}")
+        _check(_is_int(self.cpus_per_actor) and self.cpus_per_actor > 0,
+               f"cluster.cpus_per_actor must be an int > 0, got {self.cpus_per_actor!r}")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str | None = None       # set by conf/job/NAME.yaml
+    recipe: str | None = None     # registered recipe name or 'module:function'
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    data: DataConfig
+    output: OutputConfig
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.resume, bool), f"resume must be true or false, got {self.resume!r}")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "RunConfig":
+        """Build from a plain dict (e.g. `OmegaConf.to_container(cfg, resolve=True)`).
+
+        Top-level sections not named here (a job's own settings) are ignored; an unknown key
+        inside a known section is an error, so typos do not pass silently.
+        """
+        sections = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "resume":
+                continue
+            section_cls = _SECTIONS[f.name]
+            values = dict(raw.get(f.name) or {})
+            known = {sf.name for sf in dataclasses.fields(section_cls)}
+            unknown = sorted(set(values) - known)
+            _check(not unknown, f"unknown key(s) {', '.join(f'{f.name}.{k}' for k in unknown)}; "
+                                f"known: {', '.join(sorted(known))}")
+            for key, value in values.items():
+                if isinstance(value, list):
+                    values[key] = tuple(value)
+            try:
+                sections[f.name] = section_cls(**values)
+            except TypeError as exc:  # wrong value kind that dataclass itself rejects
+                raise ConfigError(f"{f.name}: {exc}") from exc
+        return cls(resume=raw.get("resume", False), **sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Short hash of everything that affects the outputs (not output.dir, resume, cluster)."""
+        d = self.to_dict()
+        for key in ("resume", "cluster", "job"):
+            d.pop(key, None)
+        d["output"].pop("dir", None)
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_SECTIONS = {
+    "model": ModelConfig, "data": DataConfig, "output": OutputConfig, "spec": SpecConfig,
+    "sampling": SamplingConfig, "engine": EngineConfig, "shards": ShardsConfig,
+    "cluster": ClusterConfig, "job": JobConfig,
+}
+
+OUTPUT_COLUMNS = (
+    "id", "prompt", "generated_text", "finish_reason", "num_prompt_tokens",
+    "num_generated_tokens", "num_drafted_tokens", "num_accepted_tokens", "error",
+)
