@@ -45,15 +45,15 @@ class Batch:
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[n, 1, q, kv_len] bool: key j is visible to the query at position p iff j <= p,
-        j > p - window (sliding layers), and key_valid allows j."""
+        j > p - window (sliding layers), and key_valid allows j (or j == p)."""
         if window not in self._masks:
             keys = torch.arange(self.kv_len, device=self.positions.device)      # [T]
             pos = self.positions[:, :, None]                                    # [n, q, 1]
             allowed = keys <= pos
             if window is not None:
                 allowed &= keys > pos - window
-            if self.key_valid is not None:
-                allowed &= self.key_valid[:, None, :]
+            if self.key_valid is not None:   # a query always sees itself: no all-masked rows, no NaN
+                allowed &= self.key_valid[:, None, :] | (keys == pos)
             self._masks[window] = allowed[:, None]
         return self._masks[window]
 

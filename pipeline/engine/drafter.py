@@ -1,0 +1,126 @@
+"""MTP drafting: keeps each head's KV cache filled for prompt and accepted tokens, and proposes
+gamma draft tokens per row.
+
+Position convention (chain form of DeepSeek-V3 MTP). A row whose target cache holds positions
+0..L-1 and whose newest token t_L is not yet cached drafts as follows:
+- depth 1: head 1 at position L-1 on (h_{L-1}, t_L). This is the last entry of the *fill*, which
+  runs head k over the positions the last verify step accepted (or the prompt), so the heads'
+  caches hold entries for every accepted token.
+- depth j >= 2: head min(j, K) at position L+j-2 on (its previous output, d_{j-1}).
+Head k at position i thus takes head k-1's output at i-1: DeepSeek's depth-k input shifted by
+k-1 positions, which RoPE's relative form makes the same attention. Entries a head cannot have
+(gaps after gamma-0 steps, the first k-1 positions of a prompt) are masked by `valid`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.model.cache import Batch, KVCache
+from pipeline.model.mtp import head_for_depth
+
+
+@dataclass
+class PendingFill:
+    """Positions whose target hidden states are known but not yet run through the heads."""
+    rows: torch.Tensor        # [r] cache rows
+    start: torch.Tensor       # [r] position of the first entry
+    hidden: torch.Tensor      # [r, w, hidden] target hidden states at start..start+w-1
+    next_ids: torch.Tensor    # [r, w] the token after each position
+    count: torch.Tensor       # [r] valid entries (the rest is padding)
+
+    def select(self, keep: torch.Tensor) -> "PendingFill":
+        return PendingFill(self.rows[keep], self.start[keep], self.hidden[keep], self.next_ids[keep], self.count[keep])
+
+
+class Drafter:
+    def __init__(self, heads, batch_size: int, capacity: int, hidden_size: int, dtype, device):
+        self.heads = heads
+        k = len(heads)
+        attn = heads[0].self_attn
+        self.cache = KVCache(k, batch_size, capacity, attn.num_kv_heads, attn.head_dim, dtype, device)
+        self.valid = torch.zeros(k, batch_size, capacity, dtype=torch.bool, device=device)   # [K, B, T]
+        self.carry = torch.zeros(k, batch_size, hidden_size, dtype=dtype, device=device)     # [K, B, H]
+        self.carry_ok = torch.zeros(batch_size, dtype=torch.bool, device=device)            # [B]
+        self.pending: list[PendingFill] = []
+
+    # ---- slot management -------------------------------------------------------------------
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        self.valid[:, rows] = False
+        self.carry_ok[rows] = False
+        self.pending = [p.select(~torch.isin(p.rows, rows)) for p in self.pending]
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
+        self.valid[:, dst] = self.valid[:, src]
+        self.carry[:, dst] = self.carry[:, src]
+        self.carry_ok[dst] = self.carry_ok[src]
+        for p in self.pending:
+            p.rows[p.rows == src] = dst
+
+    def drop_rows(self, rows: torch.Tensor) -> None:
+        self.pending = [p.select(~torch.isin(p.rows, rows)) for p in self.pending]
+
+    def add_pending(self, fill: PendingFill) -> None:
+        self.pending.append(fill)
+
+    def discard_pending(self) -> None:
+        """A gamma-0 step skips the heads entirely; what it leaves unfilled becomes a masked gap."""
+        for p in self.pending:
+            self.carry_ok[p.rows] = False
+        self.pending = []
+
+    # ---- drafting ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, n: int, lengths: torch.Tensor, gamma: int, pick):
+        """Drafts for active rows 0..n-1. `lengths` [n]: target cache lengths.
+        `pick(logits [n, V], depth) -> (tokens [n], probs [n, V] or None)` samples a draft.
+        Returns (drafts [n, gamma], draft_probs [n, gamma, V] or None)."""
+        first_out = torch.empty(n, self.carry.shape[-1], dtype=self.carry.dtype, device=self.carry.device)
+        for p in self.pending:
+            if p.rows.numel():
+                first_out[p.rows] = self._fill(p)
+        self.pending = []
+        k = len(self.heads)
+        out, drafts, probs = first_out, [], []
+        keys = torch.arange(self.cache.capacity, device=lengths.device)
+        for depth in range(1, gamma + 1):
+            c = head_for_depth(k, depth)
+            head = self.heads[c]
+            if depth > 1:
+                pos = lengths + depth - 2                                        # [n]
+                lo = lengths + max(c - 1, 0)
+                kv_len = int(pos.max()) + 1
+                key_valid = self.valid[c, :n, :kv_len] | ((keys[:kv_len] >= lo[:, None]) & (keys[:kv_len] <= pos[:, None]))
+                batch = Batch.make(pos[:, None], kv_len=kv_len, key_valid=key_valid)
+                out = head(out[:, None], drafts[-1][:, None], batch, self.cache, c)[:, 0]
+            tok, prob = pick(head.logits(out), depth)
+            drafts.append(tok)
+            probs.append(prob)
+        draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
+        return torch.stack(drafts, dim=1), draft_probs
+
+    def _fill(self, p: PendingFill) -> torch.Tensor:
+        """Run every head over a pending range (cascade); returns head 1's output at the last
+        valid position of each row, from which depth 1 is drafted."""
+        r, w = p.next_ids.shape
+        steps = torch.arange(w, device=p.rows.device)
+        positions = p.start[:, None] + steps                                   # [r, w]
+        in_range = steps < p.count[:, None]                                    # [r, w]
+        last = p.count - 1
+        idx = torch.arange(r, device=p.rows.device)
+        kv_len = int(positions.max()) + 1
+        prev, first = p.hidden, None
+        for c, head in enumerate(self.heads):
+            ok = in_range & ((steps >= c) | self.carry_ok[p.rows, None])
+            self.valid[c, p.rows[:, None], positions] = ok
+            batch = Batch.make(positions, rows=p.rows, kv_len=kv_len, key_valid=self.valid[c, p.rows, :kv_len])
+            out = head(prev, p.next_ids, batch, self.cache, c)                 # [r, w, hidden]
+            if c + 1 < len(self.heads):
+                prev = torch.cat([self.carry[c, p.rows][:, None], out[:, :-1]], dim=1)
+            self.carry[c, p.rows] = out[idx, last]
+            if first is None:
+                first = out[idx, last]
+        self.carry_ok[p.rows] = True
+        return first

@@ -1,0 +1,252 @@
+"""The batched speculative decoder with continuous batching, usable without Ray.
+
+One iteration (`_step`): admit queued rows into free slots (one batched prefill), choose gamma,
+draft with the MTP heads, verify last token + drafts in one target forward for every active
+row, accept per row, emit. Each row advances by its own acceptance length; rejected drafts are
+rolled back by not advancing its length.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from pipeline.engine.drafter import Drafter, PendingFill
+from pipeline.engine.params import RequestOutput, SamplingParams
+from pipeline.engine.rows import Row
+from pipeline.engine.slots import Slots
+from pipeline.model.cache import Batch, KVCache
+from pipeline.model.loader import load_model, resolve_device, resolve_dtype
+from pipeline.spec import rng
+from pipeline.spec.acceptance import greedy_accept, rejection_sample
+from pipeline.spec.policy import GammaPolicy, StepContext, make_policy
+from pipeline.spec.sampling import filtered_probs, sample
+from pipeline.spec.stats import PrefillRecord, SpecStats, StepRecord
+
+
+class Engine:
+    def __init__(self, loaded, tokenizer=None, max_batch_size: int = 32, gamma_max: int = 5):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if gamma_max < 0:
+            raise ValueError(f"gamma_max must be >= 0, got {gamma_max}")
+        self.model = loaded
+        self.target, self.heads, self.config = loaded.target, loaded.heads, loaded.config
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.gamma_max = gamma_max
+        self.device = self.target.model.norm.weight.device
+        self.dtype = self.target.model.norm.weight.dtype
+        self.stats = SpecStats()
+        self.policy: GammaPolicy | None = None
+
+    @classmethod
+    def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
+                        gamma_max: int = 5) -> "Engine":
+        dev = resolve_device(device)
+        loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev))
+        tokenizer = None
+        try:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        except (OSError, ValueError):
+            tokenizer = None          # token-id prompts still work; string prompts get an error row
+        return cls(loaded, tokenizer, max_batch_size=max_batch_size, gamma_max=gamma_max)
+
+    @property
+    def num_mtp_heads(self) -> int:
+        return len(self.heads)
+
+    def reset_stats(self) -> None:
+        self.stats = SpecStats()
+
+    # ---- public entry ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts, params: SamplingParams | None = None, gamma="auto") -> list[RequestOutput]:
+        """One output per prompt, in order. `gamma`: an int >= 0, "auto", or a GammaPolicy."""
+        params = params or SamplingParams()
+        policy = self._resolve_policy(gamma)
+        rows = [self._make_row(i, p, params) for i, p in enumerate(prompts)]
+        live = [r for r in rows if r.out.error is None]
+        if live:
+            _Run(self, live, params, policy).run()
+        return [r.finalize(params, self.tokenizer) if r.out.error is None else r.out for r in rows]
+
+    def _resolve_policy(self, gamma) -> GammaPolicy:
+        if isinstance(gamma, bool) or not (gamma == "auto" or isinstance(gamma, int) or hasattr(gamma, "choose")):
+            raise ValueError(f"gamma must be an int >= 0, 'auto' or a policy, got {gamma!r}")
+        if isinstance(gamma, int):
+            if gamma < 0:
+                raise ValueError(f"gamma must be >= 0, got {gamma}")
+            if gamma > 0 and not self.heads:
+                raise ValueError(f"gamma={gamma} needs MTP heads; {self.model.path} has none (use gamma=0)")
+        if gamma == "auto" and self.policy is not None:
+            return self.policy
+        return make_policy(gamma, num_heads=len(self.heads), gamma_max=self.gamma_max)
+
+    def _make_row(self, index: int, prompt, params: SamplingParams) -> Row:
+        out = RequestOutput()
+        row = Row(index, [], 0, out)
+        try:
+            ids = self._tokenize(prompt)
+        except (TypeError, ValueError) as exc:
+            out.error = str(exc)
+            return row
+        limit = self.config.max_position_embeddings
+        if len(ids) >= limit:
+            if not params.truncate_prompt:
+                out.error = f"prompt has {len(ids)} tokens; the model's context is {limit}"
+                return row
+            ids = ids[-max(1, limit - params.max_new_tokens):]
+        row.prompt_ids = ids
+        row.max_new = min(params.max_new_tokens, limit - len(ids))
+        out.num_prompt_tokens = len(ids)
+        return row
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            if self.tokenizer is None:
+                raise ValueError("string prompt but the checkpoint has no tokenizer; pass token ids")
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+            ids = [int(t) for t in prompt]
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+        return ids
+
+
+class _Run:
+    """State of one generate() call: slots, caches, queue."""
+
+    def __init__(self, engine: Engine, rows: list[Row], params: SamplingParams, policy: GammaPolicy):
+        self.e, self.params, self.policy = engine, params, policy
+        cfg = engine.config
+        self.gamma_cap = min(engine.gamma_max, policy.max_gamma()) if engine.heads else 0
+        batch = min(engine.max_batch_size, len(rows))
+        capacity = max(len(r.prompt_ids) + r.max_new for r in rows) + self.gamma_cap + 2
+        self.cache = KVCache(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, engine.dtype, engine.device)
+        self.drafter = (Drafter(engine.heads, batch, capacity, cfg.hidden_size, engine.dtype, engine.device)
+                        if engine.heads and self.gamma_cap > 0 else None)
+        self.slots = Slots(batch, engine.device, self.drafter, self.cache)
+        self.queue = deque(rows)
+        self.eos = frozenset(cfg.eos_token_ids)
+        self.stats = engine.stats
+
+    def run(self) -> None:
+        while self.queue or self.slots.n:
+            self._admit()
+            self._step()
+
+    # ---- admission: batched prefill of queued rows into free slots ----------------------------
+    def _admit(self) -> None:
+        while self.queue and (free := self.slots.free_slots()):
+            take = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+            self._prefill(free[:len(take)], take)      # rows may finish at once: loop refills
+        self.slots.compact()
+
+    def _prefill(self, slot_ids: list[int], rows: list[Row]) -> None:
+        t0 = time.perf_counter()
+        dev = self.e.device
+        lens = torch.tensor([len(r.prompt_ids) for r in rows], device=dev)
+        width = int(lens.max())
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        for i, r in enumerate(rows):
+            ids[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        slots = torch.tensor(slot_ids, device=dev)
+        positions = torch.arange(width, device=dev).expand(len(rows), width)
+        hidden = self.e.target(ids, Batch.make(positions, rows=slots, kv_len=width), self.cache)
+        idx = torch.arange(len(rows), device=dev)
+        keys = torch.tensor([r.index for r in rows], device=dev)
+        first = self._sample_target(self.e.target.logits(hidden[idx, lens - 1]), keys, lens)
+        self.slots.place(slot_ids, rows, lens, first)
+        if self.slots.drafter is not None:
+            next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+            next_ids[idx, lens - 1] = first
+            self.slots.drafter.add_pending(PendingFill(slots, torch.zeros_like(lens), hidden, next_ids, lens))
+        for r, tok in zip(rows, first.tolist()):
+            r.emit([tok], self.params, self.eos, self.e.tokenizer)
+        self._sync()
+        self.stats.observe_prefill(PrefillRecord(len(rows), len(rows) * width, time.perf_counter() - t0))
+        self.slots.release_finished()
+
+    # ---- one speculative step over all active rows -------------------------------------------
+    def _step(self) -> None:
+        s = self.slots
+        n = s.n
+        if n == 0:
+            return
+        lengths = s.lengths[:n]
+        gamma = min(self.policy.choose(StepContext(rows=n, context_len=float(lengths.float().mean()),
+                                                   stats=self.stats)), self.gamma_cap)
+        t0 = time.perf_counter()
+        keys = s.keys[:n]
+        if gamma > 0:
+            drafts, draft_probs = s.drafter.propose(n, lengths, gamma, lambda lg, d: self._pick_draft(lg, keys, lengths + d))
+        else:
+            drafts, draft_probs = torch.zeros(n, 0, dtype=torch.long, device=lengths.device), None
+            if s.drafter is not None:
+                s.drafter.discard_pending()
+        self._sync()
+        t1 = time.perf_counter()
+        tokens = torch.cat([s.last_token[:n, None], drafts], dim=1)                # [n, gamma + 1]
+        positions = lengths[:, None] + torch.arange(gamma + 1, device=lengths.device)
+        hidden = self.e.target(tokens, Batch.make(positions), self.cache)         # [n, gamma + 1, H]
+        logits = self.e.target.logits(hidden)                                     # [n, gamma + 1, V]
+        num_acc, emitted = self._accept(drafts, draft_probs, logits, keys, positions)
+        acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
+        t2 = time.perf_counter()
+        ctx = float(lengths.float().mean())
+        max_ctx = int(lengths.max())
+        if s.drafter is not None:
+            s.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
+                                              hidden, emitted, num_acc + 1))
+        s.advance(n, num_acc, emitted)
+        for i in range(n):
+            row = s.rows[i]
+            row.out.num_drafted_tokens += gamma
+            row.out.num_accepted_tokens += acc_list[i]
+            row.emit(emitted_list[i][:acc_list[i] + 1], self.params, self.eos, self.e.tokenizer)
+        self.stats.observe_acceptance(gamma, num_acc)
+        self.stats.observe_step(StepRecord(gamma, n, gamma + 1, ctx, max_ctx, t2 - t1, t1 - t0,
+                                           sum(acc_list) + n))
+        s.release_finished()
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def _pick_draft(self, logits, keys, positions):
+        p = self.params
+        if p.greedy:
+            return logits.argmax(-1), None
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        return sample(probs, rng.uniforms(p.seed, keys, positions, rng.DRAFT)), probs
+
+    def _sample_target(self, logits, keys, positions):
+        p = self.params
+        if p.greedy:
+            return logits.argmax(-1)
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        return sample(probs, rng.uniforms(p.seed, keys, positions, rng.TARGET))
+
+    def _accept(self, drafts, draft_probs, logits, keys, positions):
+        """positions: [n, gamma + 1] of the verify inputs; token j lands at positions + 1."""
+        p = self.params
+        if p.greedy:
+            return greedy_accept(drafts, logits)
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        out_pos = positions + 1
+        u_final = rng.uniforms(p.seed, keys, out_pos, rng.TARGET)
+        if drafts.shape[1] == 0:
+            return torch.zeros_like(keys), sample(probs, u_final)
+        u_accept = rng.uniforms(p.seed, keys, out_pos[:, :-1], rng.ACCEPT)
+        return rejection_sample(drafts, draft_probs, probs, u_accept, u_final)
+
+    def _sync(self) -> None:
+        if self.e.device.type == "cuda":
+            torch.cuda.synchronize(self.e.device)

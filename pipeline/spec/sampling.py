@@ -1,0 +1,36 @@
+"""Turning logits into distributions and tokens. Free functions, batched, no state."""
+from __future__ import annotations
+
+import torch
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering.
+
+    temperature must be > 0 here; greedy decoding does not build distributions.
+    Example: logits [0, 0, ln 2] with temperature 1 -> [0.25, 0.25, 0.5]; with top_k=1 -> [0, 0, 1].
+    """
+    logits = logits.float() / temperature
+    if top_k and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p            # mass strictly before each token
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per distribution from one uniform.
+
+    probs: [..., V] (need not be normalised); u: [...] in [0, 1). Returns int64 [...].
+    A token with zero probability is never returned.
+    """
+    cdf = probs.double().cumsum(-1)                                   # [..., V]
+    x = (u.double() * cdf[..., -1]).unsqueeze(-1)                     # [..., 1]
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
