@@ -1,0 +1,119 @@
+"""The run directory as the driver sees it: plan, committed shards, stats and manifest.
+
+`open_run` plans the shards and checks the directory (fresh, or a resume of the same plan and
+config); `RunRecord.commit` writes one shard's part, then the stats file, then the manifest,
+each atomically, so a reader sees a consistent run at any moment. On resume the stats come
+back from the committed parts' metadata, the source of truth.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+from pipeline.config import RunConfig, UserError
+from pipeline.data.commit import commit_part, committed_shards, part_stats, remove_temp_files
+from pipeline.data.manifest import (now_iso, package_versions, read_manifest, shard_entries,
+                                    totals, write_manifest)
+from pipeline.data.outputs import write_stats
+from pipeline.data.plan import Shard, plan_shards
+from pipeline.data.prompts import check_columns
+from pipeline.data.source import Source, open_source
+
+
+@dataclass
+class RunRecord:
+    run_dir: Path
+    source: Source
+    plan: list[Shard]
+    manifest: dict[str, Any]
+    committed: dict[int, Path] = field(default_factory=dict)
+    stats_rows: list[dict] = field(default_factory=list)
+    attempts: dict[int, int] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
+    session_tokens: int = 0
+    session_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(s.num_rows for s in self.plan)
+
+    @property
+    def done_rows(self) -> int:
+        return sum(s.num_rows for s in self.plan if s.shard_id in self.committed)
+
+    def pending(self) -> list[Shard]:
+        return [s for s in self.plan if s.shard_id not in self.committed]
+
+    def commit(self, shard: Shard, table: pa.Table, stats_rows: Sequence[dict]) -> None:
+        if table.num_rows != shard.num_rows:
+            raise RuntimeError(f"shard {shard.shard_id}: {table.num_rows} output rows for "
+                               f"{shard.num_rows} input rows")
+        self.committed[shard.shard_id] = commit_part(self.run_dir, shard.shard_id, table, stats_rows)
+        self.stats_rows.extend(stats_rows)
+        self.session_tokens += sum(r.get("num_generated_tokens") or 0 for r in stats_rows)
+        self.failed.discard(shard.shard_id)
+        write_stats(self.run_dir, self.stats_rows)
+        self.save("running")
+
+    def totals(self) -> dict[str, Any]:
+        return totals(self.stats_rows, self.session_tokens, time.perf_counter() - self.session_start)
+
+    def save(self, status: str) -> None:
+        self.manifest["status"] = status
+        self.manifest["totals"] = self.totals()
+        self.manifest["shards"] = shard_entries(self.plan, self.committed, self.attempts, self.failed)
+        write_manifest(self.run_dir, self.manifest)
+
+
+def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
+    """Plan the run and prepare `output.dir`: a fresh directory, or resume=true over the same
+    plan and config (committed shards are kept and skipped)."""
+    source = open_source(cfg.data.path)
+    check_columns(source.schema, cfg.data, cfg.output.keep_columns)
+    plan = plan_shards(source, cfg.shards.rows_per_shard, cfg.data.limit,
+                       cfg.data.task_column, cfg.data.tasks)
+    run_dir = Path(cfg.output.dir).resolve()
+    committed = committed_shards(run_dir)
+    previous = read_manifest(run_dir)
+    if committed and not cfg.resume:
+        raise UserError(f"{run_dir} already holds {len(committed)} committed shard(s); "
+                        "pass resume=true to finish that run, or choose another output.dir")
+    if cfg.resume and previous is not None:
+        _check_same_run(previous, cfg, plan, run_dir)
+    unknown = sorted(set(committed) - {s.shard_id for s in plan})
+    if unknown:
+        raise UserError(f"{run_dir} holds parts of shards {unknown} that are not in the plan")
+    remove_temp_files(run_dir)
+    manifest = {
+        "status": "running",
+        "started_at": (previous or {}).get("started_at", now_iso()) if cfg.resume else now_iso(),
+        "resumed_at": now_iso() if cfg.resume and previous else None,
+        "config": resolved_config,
+        "config_hash": cfg.hash(),
+        "versions": package_versions(),
+        "data": {"files": len(source.files), "dataset_rows": source.total_rows},
+        "plan": {"rows_per_shard": cfg.shards.rows_per_shard, "num_shards": len(plan),
+                 "rows": sum(s.num_rows for s in plan)},
+    }
+    record = RunRecord(run_dir, source, plan, manifest, committed=committed)
+    for path in committed.values():
+        record.stats_rows.extend(part_stats(path))
+    write_stats(run_dir, record.stats_rows)
+    record.save("running")
+    return record
+
+
+def _check_same_run(previous: dict, cfg: RunConfig, plan: list[Shard], run_dir: Path) -> None:
+    if previous.get("config_hash") != cfg.hash():
+        raise UserError(f"resume=true but the config differs from the run in {run_dir} "
+                        f"(hash {previous.get('config_hash')} vs {cfg.hash()}); "
+                        "resume with the same settings or choose another output.dir")
+    planned = [{k: e[k] for k in ("shard_id", "start", "stop", "num_rows")}
+               for e in previous.get("shards", [])]
+    if planned and planned != [s.to_dict() for s in plan]:
+        raise UserError(f"resume=true but the shard plan differs from the run in {run_dir}; "
+                        "did the dataset change?")

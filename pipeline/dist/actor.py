@@ -1,0 +1,65 @@
+"""The Ray actor: loads the engine once, then processes shards handed to it.
+
+A thin wrapper over `worker.process_shard`; all Ray specifics (runtime context, resources)
+stay here and in pool.py.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import ray
+
+from pipeline.config import EngineConfig, ModelConfig
+from pipeline.dist.worker import ShardResult, ShardTask, process_shard
+
+
+def load_engine(model: ModelConfig, engine: EngineConfig) -> Any:
+    """The default loader: `Engine.from_pretrained` with the configured device and dtype."""
+    from pipeline.engine import Engine
+
+    return Engine.from_pretrained(model.path, device=model.device, dtype=model.dtype,
+                                  max_batch_size=engine.max_batch_size)
+
+
+def _import(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class ShardWorker:
+    """One actor = one engine. `loader` ('module:function') exists so tests can substitute."""
+
+    def __init__(self, model: ModelConfig, engine: EngineConfig, num_threads: int | None = None,
+                 loader: str = "pipeline.dist.actor:load_engine") -> None:
+        import torch
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.engine = _import(loader)(model, engine)
+        ctx = ray.get_runtime_context()
+        device = getattr(self.engine, "device", None)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.info = {"actor_id": ctx.get_actor_id(), "node_id": ctx.get_node_id(),
+                     "device": str(device), "threads": torch.get_num_threads()}
+
+    def ready(self) -> dict:
+        return self.info
+
+    def run(self, task: ShardTask) -> ShardResult:
+        return process_shard(self.engine, task, self.info)
+
+
+def actor_options(use_gpus: bool, gpus_per_actor: float, cpus_per_actor: int) -> dict:
+    """Ray resources of one actor: GPUs where the cluster has them, else CPUs."""
+    if use_gpus:
+        return {"num_gpus": gpus_per_actor, "num_cpus": 1, "max_restarts": 0}
+    return {"num_gpus": 0, "num_cpus": cpus_per_actor, "max_restarts": 0}
+
+
+def start_actor(model: ModelConfig, engine: EngineConfig, options: dict,
+                loader: str = "pipeline.dist.actor:load_engine") -> Any:
+    threads = None if options.get("num_gpus") else int(options["num_cpus"])
+    remote_cls = ray.remote(ShardWorker).options(**options)
+    return remote_cls.remote(model, engine, threads, loader)

@@ -1,0 +1,126 @@
+"""The `generate` recipe: plan shards, run them on a Ray actor pool, commit as they finish.
+
+`main(cfg)` is the entry (it starts Ray when `cluster.address` is null and stops it at the
+end); `run_generation(cfg, resolved)` is the library function and expects Ray to be running.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import ClusterConfig, RunConfig, UserError
+from pipeline.data.record import RunRecord, open_run
+from pipeline.dist.actor import actor_options, start_actor
+from pipeline.dist.pool import ActorPool
+from pipeline.dist.progress import Progress
+from pipeline.dist.worker import ShardResult, ShardTask, failed_shard_result
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
+BUILD_DEMO = "python -m pipeline.run +job=build_demo"
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Clear errors for a missing model or dataset, naming how to build the demo ones."""
+    for key, path, need in (("model.path", cfg.model.path, "config.json"),
+                            ("data.path", cfg.data.path, None)):
+        if any(c in path for c in "*?["):
+            continue
+        p = Path(path)
+        missing = not p.exists() or (need is not None and not (p / need).is_file())
+        if missing:
+            hint = (f"; the demo assets are built with `{BUILD_DEMO}`"
+                    if Path(path).resolve().is_relative_to(DEMO_DIR) else "")
+            what = f"{path} (no {need})" if p.exists() else path
+            raise UserError(f"{key} {what} does not exist{hint}")
+
+
+def start_ray(cluster: ClusterConfig, use_gpus_hint: bool = False) -> bool:
+    """Start (address null) or join Ray; True when this call started it (and must stop it)."""
+    if ray.is_initialized():
+        return False
+    if cluster.address is None:
+        need = cluster.num_actors * cluster.cpus_per_actor
+        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                 logging_level="warning")
+    else:
+        ray.init(address=cluster.address, logging_level="warning")
+    return True
+
+
+def main(cfg: DictConfig) -> int:
+    """Recipe entry (`job.recipe: generate`)."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved.pop("hydra", None)
+    run_cfg = RunConfig.from_dict(resolved)
+    check_inputs(run_cfg)
+    started = start_ray(run_cfg.cluster)
+    try:
+        manifest = run_generation(run_cfg, resolved)
+    finally:
+        if started:
+            ray.shutdown()
+    t = manifest["totals"]
+    print(f"{manifest['status']}: {t['rows']} rows ({t['rows_with_error']} with errors), "
+          f"{t['generated_tokens']} tokens -> {run_cfg.output.dir}", file=sys.stderr)
+    return 0 if manifest["status"] == "finished" else 1
+
+
+def _use_gpus(cfg: RunConfig) -> bool:
+    return cfg.model.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = True) -> dict:
+    """Run every pending shard of `cfg` on a pool of actors; returns the final manifest."""
+    if not ray.is_initialized():
+        raise RuntimeError("Ray is not running: start it first (pipeline.dist.driver.main does)")
+    record = open_run(cfg, resolved)
+    pending = record.pending()
+    if not pending:
+        record.save("finished")
+        return record.manifest
+    options = actor_options(_use_gpus(cfg), cfg.cluster.gpus_per_actor, cfg.cluster.cpus_per_actor)
+    size = min(cfg.cluster.num_actors, len(pending))
+    pool = ActorPool(lambda: start_actor(cfg.model, cfg.engine, options), size,
+                     max_deaths=size * cfg.shards.max_attempts)
+    bar = Progress(record.total_rows, record.done_rows, enabled=progress)
+    status = "failed"
+    try:
+        pool.wait_ready()
+        pool.run(pending, lambda shard, attempt: _task(cfg, record, shard, attempt),
+                 lambda shard, attempt, result: _commit(record, bar, shard, attempt, result),
+                 lambda shard, attempt, why: _give_up(cfg, record, bar, shard, attempt, why),
+                 cfg.shards.max_attempts)
+        status = "finished"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        bar.close()
+        pool.shutdown()
+        record.save(status)
+    return record.manifest
+
+
+def _task(cfg: RunConfig, record: RunRecord, shard, attempt: int) -> ShardTask:
+    record.attempts[shard.shard_id] = attempt
+    return ShardTask(shard=shard, attempt=attempt, files=record.source.files,
+                     file_rows=record.source.file_rows, data=cfg.data,
+                     keep_columns=cfg.output.keep_columns, sampling=cfg.sampling,
+                     gamma=cfg.spec.gamma)
+
+
+def _commit(record: RunRecord, bar: Progress, shard, attempt: int, result: ShardResult) -> None:
+    record.commit(shard, result.table, result.stats_rows)
+    bar.update(shard.num_rows, result.stats_rows, record.totals())
+
+
+def _give_up(cfg: RunConfig, record: RunRecord, bar: Progress, shard, attempt: int,
+             why: str) -> None:
+    result = failed_shard_result(_task(cfg, record, shard, attempt), why)
+    record.commit(shard, result.table, result.stats_rows)
+    bar.update(shard.num_rows, result.stats_rows, record.totals())
