@@ -1,0 +1,148 @@
+"""End to end on Ray: a tiny checkpoint, 2 actors, several shards; every id exactly once with
+DESIGN.md's columns; resume redoes nothing, or only what is missing."""
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from pipeline.config import OUTPUT_COLUMNS, RunConfig, UserError
+from pipeline.data.outputs import STATS_SCHEMA
+from pipeline.recipes import CONF_DIR, REPO_ROOT
+from pipeline.run import register_resolvers
+
+ray = pytest.importorskip("ray")
+
+DESIGN_STATS = ["shard_id", "task", "num_rows", "gamma", "gamma_reason", "gamma_candidates",
+                "predicted_goodput", "acceptance_by_depth", "mean_acceptance_length",
+                "tokens_per_s", "draft_time_s", "verify_time_s", "wall_time_s", "utilization",
+                "device", "actor_id", "node_id", "attempt"]
+NUM_ROWS = 23
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from pipeline.model.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("assets")
+    model = make_tiny_checkpoint(root / "model", arch="llama", num_mtp_layers=1, seed=0)
+    tasks = ["summarize", "qa", "summarize"]
+    rows = {"id": [f"doc-{i:03d}" for i in range(NUM_ROWS)],
+            "task": [tasks[i % 3] for i in range(NUM_ROWS)],
+            "text": [f"the quick brown fox {i}" for i in range(NUM_ROWS)],
+            "reference": [f"fox {i}" for i in range(NUM_ROWS)]}
+    (root / "data").mkdir()
+    pq.write_table(pa.table(rows).slice(0, 10), root / "data" / "a.parquet")
+    pq.write_table(pa.table(rows).slice(10), root / "data" / "b.parquet", row_group_size=4)
+    return {"model": str(model), "data": str(root / "data"), "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    yield
+    ray.shutdown()
+
+
+def job_cfg(assets, out_dir, *overrides):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=[
+            "+job=summarize", f"model.path={assets['model']}", f"data.path={assets['data']}",
+            f"output.dir={out_dir}", "cluster.num_actors=2", "cluster.cpus_per_actor=1",
+            "shards.rows_per_shard=3", "sampling.max_new_tokens=4", "engine.max_batch_size=4",
+            "spec.gamma=2", *overrides])
+
+
+def outputs(out_dir):
+    return ds.dataset(str(out_dir / "outputs"), format="parquet").to_table()
+
+
+def part_mtimes(out_dir):
+    return {p.name: p.stat().st_mtime_ns for p in (out_dir / "outputs").glob("part-*.parquet")}
+
+
+def test_run_then_resume(assets, ray_session, tmp_path):
+    from pipeline.dist.driver import main, run_generation
+
+    out_dir = tmp_path / "run"
+    cfg = job_cfg(assets, out_dir)
+    assert main(cfg) == 0
+
+    expected = [i for i, t in zip(assets["rows"]["id"], assets["rows"]["task"]) if t == "summarize"]
+    table = outputs(out_dir)
+    assert sorted(table["id"].to_pylist()) == sorted(expected)      # each id exactly once
+    assert tuple(table.column_names) == OUTPUT_COLUMNS + ("reference",)
+    assert table["error"].null_count == table.num_rows
+    assert set(table["finish_reason"].to_pylist()) <= {"stop", "length"}
+    by_id = dict(zip(table["id"].to_pylist(), table["reference"].to_pylist()))
+    assert all(by_id[i] == assets["rows"]["reference"][int(i[4:])] for i in expected)
+    assert all(p.startswith("Summarize:\nthe quick brown fox") for p in table["prompt"].to_pylist())
+
+    stats = pq.read_table(out_dir / "stats" / "shards.parquet")
+    assert stats.schema.names[:len(DESIGN_STATS)] == DESIGN_STATS
+    assert stats.schema.equals(STATS_SCHEMA)
+    num_shards = -(-len(expected) // 3)
+    assert sorted(stats["shard_id"].to_pylist()) == list(range(num_shards))
+    assert sum(stats["num_rows"].to_pylist()) == len(expected)
+    assert set(stats["gamma"].to_pylist()) == {2}
+    assert all(len(a) >= 1 for a in stats["acceptance_by_depth"].to_pylist())
+
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["status"] == "finished"
+    assert manifest["totals"]["rows"] == len(expected)
+    assert manifest["totals"]["generated_tokens"] == sum(table["num_generated_tokens"].to_pylist())
+    assert [s["status"] for s in manifest["shards"]] == ["committed"] * num_shards
+    assert manifest["config"]["spec"]["gamma"] == 2 and "torch" in manifest["versions"]
+
+    # resume a finished run: nothing is redone, nothing is rewritten
+    before = part_mtimes(out_dir)
+    run_cfg = RunConfig.from_dict(OmegaConf.to_container(job_cfg(assets, out_dir, "resume=true"),
+                                                         resolve=True))
+    manifest = run_generation(run_cfg, {}, progress=False)
+    assert manifest["status"] == "finished"
+    assert part_mtimes(out_dir) == before
+    assert pq.read_table(out_dir / "stats" / "shards.parquet").equals(stats)
+
+    # lose one shard: resume redoes that shard only
+    (out_dir / "outputs" / "part-00001.parquet").unlink()
+    manifest = run_generation(run_cfg, {}, progress=False)
+    after = part_mtimes(out_dir)
+    assert set(after) == set(before)
+    assert {k for k in after if after[k] != before[k]} == {"part-00001.parquet"}
+    assert sorted(outputs(out_dir)["id"].to_pylist()) == sorted(expected)
+    assert manifest["totals"]["rows"] == len(expected)
+
+    # without resume, a directory with committed shards is refused
+    fresh = RunConfig.from_dict(OmegaConf.to_container(job_cfg(assets, out_dir), resolve=True))
+    with pytest.raises(UserError, match="resume=true"):
+        run_generation(fresh, {}, progress=False)
+    # resuming with different settings is refused too
+    other = RunConfig.from_dict(OmegaConf.to_container(
+        job_cfg(assets, out_dir, "resume=true", "sampling.seed=7"), resolve=True))
+    with pytest.raises(UserError, match="config differs"):
+        run_generation(other, {}, progress=False)
+
+
+def test_missing_model_is_a_message_not_a_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.run", "+job=summarize",
+         f"model.path={tmp_path / 'no-model'}", f"output.dir={tmp_path / 'run'}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "no-model" in proc.stderr and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_demo_assets_name_the_build_command():
+    from pipeline.dist.driver import DEMO_DIR, check_inputs
+
+    raw = {"model": {"path": str(DEMO_DIR / "no-such-model")}, "data": {"path": "x.parquet"},
+           "output": {"dir": "runs/x"}}
+    with pytest.raises(UserError, match=r"\+job=build_demo"):
+        check_inputs(RunConfig.from_dict(raw))
