@@ -1,0 +1,77 @@
+"""Invariant 1: greedy output is identical for every gamma and equal to transformers generate()."""
+import pytest
+
+from pipeline.engine import Engine, SamplingParams
+from tests.tiny_models import hf_greedy, random_prompts, tiny_checkpoint
+
+LENGTHS = [5, 9, 3, 12, 7, 1, 15]
+MAX_NEW = 24
+
+
+def _eos_that_stops_a_row_early(path, prompts):
+    """Pick as EOS a token the reference emits mid-way for some row, so early stops are covered."""
+    refs = hf_greedy(path, prompts, MAX_NEW)
+    for ref in refs:
+        for tok in ref[3:MAX_NEW // 2]:
+            if tok > 2:
+                return tok
+    raise AssertionError("no candidate EOS token")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.mark.parametrize("arch,num_heads", [("llama", 1), ("qwen2", 1), ("qwen3", 2), ("mistral", 1)])
+def test_greedy_matches_transformers_for_every_gamma(root, arch, num_heads):
+    probe = tiny_checkpoint(root, arch=arch, num_mtp_layers=num_heads, draftable=0.1, with_tokenizer=False)
+    prompts = random_prompts(LENGTHS, 128, seed=1)
+    eos = _eos_that_stops_a_row_early(probe, prompts)
+    path = tiny_checkpoint(root, arch=arch, num_mtp_layers=num_heads, draftable=0.1,
+                           with_tokenizer=False, eos_token_id=eos)
+    refs = hf_greedy(path, prompts, MAX_NEW)
+    assert any(len(r) < MAX_NEW and r[-1] == eos for r in refs), "some row must stop early on EOS"
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)   # fewer slots than prompts
+    for gamma in (0, 1, 3, 5):
+        engine.reset_stats()
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma)
+        for out, ref in zip(outs, refs):
+            assert out.token_ids == ref, f"gamma={gamma}"
+            assert out.finish_reason == ("stop" if ref[-1] == eos else "length")
+        if gamma:
+            acc = engine.stats.acceptance_by_depth()
+            assert 0 < acc[0] < 1, f"drafts must be partly accepted to exercise ragged steps: {acc}"
+            assert sum(o.num_drafted_tokens for o in outs) > 0
+
+
+def test_auto_gamma_matches_gamma_zero(root):
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    prompts = random_prompts([4, 8, 2, 11], 128, seed=2)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2)
+    base = engine.generate(prompts, SamplingParams(max_new_tokens=16), gamma=0)
+    auto = engine.generate(prompts, SamplingParams(max_new_tokens=16), gamma="auto")
+    assert [o.token_ids for o in auto] == [o.token_ids for o in base]
+
+
+def test_gamma_changes_between_steps(root):
+    """A policy that switches gamma every step (0 included) leaves greedy output unchanged."""
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    prompts = random_prompts([6, 3, 10, 5, 8], 128, seed=3)
+    refs = hf_greedy(path, prompts, 20)
+
+    class Cycle:
+        def __init__(self):
+            self.calls = 0
+
+        def choose(self, ctx):
+            self.calls += 1
+            return [3, 0, 1, 5, 0, 2][self.calls % 6]
+
+        def max_gamma(self):
+            return 5
+
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=20), gamma=Cycle())
+    assert [o.token_ids for o in outs] == refs
+    assert engine.stats.accepted[0] > 0
