@@ -1,0 +1,115 @@
+"""KV caches: a ragged verify step leaves every row's cache as plain decoding would, and the
+MTP heads' caches hold exactly the entries a full-sequence forward computes."""
+import torch
+
+from pipeline.engine import Engine, SamplingParams
+from pipeline.engine.engine import _Run
+from pipeline.engine.rows import Row
+from pipeline.engine.params import RequestOutput
+from pipeline.engine.slots import Slots
+from pipeline.model.cache import Batch, KVCache
+from pipeline.model.loader import load_model
+from pipeline.spec.acceptance import greedy_accept
+from pipeline.spec.policy import FixedGamma
+from tests.tiny_models import random_prompts, tiny_checkpoint
+
+
+def _prefill(model, cache, prompts):
+    lens = torch.tensor([len(p) for p in prompts])
+    ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    hidden = model(ids, Batch.make(pos, rows=torch.arange(len(prompts)), kv_len=ids.shape[1]), cache)
+    return lens, model.logits(hidden[torch.arange(len(prompts)), lens - 1]).argmax(-1)
+
+
+def _plain_step(model, cache, lengths, last):
+    """One gamma-0 step: returns the next tokens; lengths advance by one."""
+    logits = model.logits(model(last[:, None], Batch.make(lengths[:, None]), cache))
+    lengths += 1
+    return logits[:, 0].argmax(-1)
+
+
+@torch.no_grad()
+def test_ragged_verify_step_leaves_cache_as_plain_decoding(tmp_path):
+    m = load_model(tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=0, with_tokenizer=False))
+    target, cfg = m.target, m.config
+    prompts = random_prompts([4, 7, 5], cfg.vocab_size, seed=4)
+    new_cache = lambda: KVCache(cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")  # noqa: E731
+
+    ref_cache = new_cache()
+    ref_len, tok = _prefill(target, ref_cache, prompts)
+    generated = [tok]
+    for _ in range(8):
+        tok = _plain_step(target, ref_cache, ref_len, tok)
+        generated.append(tok)
+    gen = torch.stack(generated, dim=1)                      # [3, 9] greedy continuation
+
+    cache = new_cache()
+    slots = Slots(3, "cpu", None, cache)
+    lengths, first = _prefill(target, cache, prompts)
+    slots.lengths[:3], slots.last_token[:3] = lengths, first
+    wrong = (gen[:, 1:4] + 1) % cfg.vocab_size
+    drafts = torch.stack([gen[0, 1:4],                                  # all three right
+                          torch.stack([gen[1, 1], wrong[1, 1], wrong[1, 2]]),   # first right only
+                          wrong[2]])                                    # none right
+    tokens = torch.cat([slots.last_token[:3, None], drafts], dim=1)
+    positions = slots.lengths[:3, None] + torch.arange(4)
+    logits = target.logits(target(tokens, Batch.make(positions), cache))
+    num, emitted = greedy_accept(drafts, logits)
+    assert num.tolist() == [3, 1, 0]
+    slots.advance(3, num, emitted)
+    assert slots.lengths[:3].tolist() == [len(p) + k + 1 for p, k in zip(prompts, [3, 1, 0])]
+    assert slots.last_token[:3].tolist() == [gen[0, 4].item(), gen[1, 2].item(), gen[2, 1].item()]
+    for b in range(3):
+        n = int(slots.lengths[b])
+        torch.testing.assert_close(cache.k[:, b, :, :n], ref_cache.k[:, b, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.v[:, b, :, :n], ref_cache.v[:, b, :, :n], rtol=1e-5, atol=1e-5)
+    # Decoding on from the ragged state overwrites the stale draft slots and reproduces the rest.
+    lengths, last = slots.lengths[:3].clone(), slots.last_token[:3].clone()
+    produced = {b: [] for b in range(3)}
+    for _ in range(4):
+        last = _plain_step(target, cache, lengths, last)
+        for b in range(3):
+            produced[b].append(int(last[b]))
+    assert produced[0] == gen[0, 5:9].tolist()
+    assert produced[1] == gen[1, 3:7].tolist()
+    assert produced[2] == gen[2, 2:6].tolist()
+
+
+@torch.no_grad()
+def test_mtp_caches_hold_prompt_and_accepted_tokens(tmp_path):
+    """After several speculative steps, each head's cache equals a full-sequence computation over
+    the accepted tokens (head k sees head k-1's output one position earlier)."""
+    path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    prompts = random_prompts([5, 9, 3], 128, seed=8)
+    rows = [Row(i, p, 40, RequestOutput()) for i, p in enumerate(prompts)]
+    run = _Run(engine, rows, SamplingParams(max_new_tokens=40, ignore_eos=True), FixedGamma(3))
+    for _ in range(4):
+        run._admit()
+        run._step()
+    s, drafter = run.slots, run.slots.drafter
+    n = s.n
+    drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))   # runs the fill
+    assert engine.stats.accepted[0] > 0
+    target, heads = engine.target, engine.heads
+    for slot in range(n):
+        row = s.rows[slot]
+        length = int(s.lengths[slot])
+        seq = torch.tensor(row.prompt_ids + row.tokens)[None]          # t_0 .. t_L (t_L uncached)
+        assert seq.shape[1] == length + 1
+        hidden = target.forward_full(seq[:, :length])                  # h_0 .. h_{L-1}
+        prev, next_ids = hidden, seq[:, 1:length + 1]
+        for c, head in enumerate(heads):
+            ref = KVCache(1, 1, length, head.self_attn.num_kv_heads, head.self_attn.head_dim, torch.float32, "cpu")
+            # head k has no entry for the first k positions (no head k-1 output before them)
+            has_entry = (torch.arange(length) >= c)[None]
+            out = head(prev, next_ids, Batch.make(torch.arange(length)[None], key_valid=has_entry), ref, 0)
+            valid = drafter.valid[c, slot, :length]
+            assert valid[c:].all() and not valid[:c].any()
+            torch.testing.assert_close(drafter.cache.k[c, slot, :, c:length], ref.k[0, 0, :, c:], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(drafter.cache.v[c, slot, :, c:length], ref.v[0, 0, :, c:], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(drafter.carry[c, slot], out[0, -1], rtol=1e-4, atol=1e-4)
+            prev = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
