@@ -1,0 +1,129 @@
+"""Rebuild the shipped demo from scratch: dataset, tokenizer, base model, MTP heads.
+
+    python -m pipeline.run +job=build_demo          # the Hydra job (conf/job/build_demo.yaml)
+    python -m pipeline.demo.build [--work-dir DIR] [--stages data,tokenizer,base,mtp,eval]
+
+Every stage is seeded and skips work it finds done in `work_dir` (the base model's training
+resumes from its last checkpoint), so an interrupted build continues where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
+STAGES = ("data", "tokenizer", "base", "mtp", "eval")
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    work_dir: Path = Path("runs/build_demo/work")
+    model_dir: Path = ASSETS / "model"
+    data_path: Path = ASSETS / "data" / "demo.parquet"
+    stages: tuple[str, ...] = STAGES
+    heldout_percent: int = 15
+    seed: int = 0
+    threads: int = 2
+    base: dict = field(default_factory=dict)       # BaseTrainSpec overrides
+    model: dict = field(default_factory=dict)      # BaseModelSpec overrides
+    mtp: dict = field(default_factory=dict)        # MTPTrainSpec overrides
+
+
+def build(spec: BuildSpec, log=print) -> dict:
+    import torch
+
+    from pipeline.demo.corpus import demo_rows, tokenized_examples, tokenizer_texts, write_demo_parquet
+    from pipeline.demo.extract import extract_functions
+    from pipeline.demo.tokenizer import train_tokenizer
+    from pipeline.demo.train_base import BaseModelSpec, BaseTrainSpec, train_base_model
+
+    torch.set_num_threads(spec.threads)
+    work = Path(spec.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    times, t0 = {}, time.time()
+    records = extract_functions(heldout_percent=spec.heldout_percent)
+    log(f"extracted {len(records)} functions ({sum(r.heldout for r in records)} held out)")
+    if "data" in spec.stages:
+        rows = demo_rows(records, seed=spec.seed)
+        write_demo_parquet(rows, Path(spec.data_path))
+        log(f"wrote {len(rows)} held-out rows to {spec.data_path}")
+    times["data"] = time.time() - t0
+
+    model_spec = BaseModelSpec(**spec.model)
+    tok_dir = work / "tokenizer"
+    if "tokenizer" in spec.stages and not (tok_dir / "tokenizer.json").exists():
+        t = time.time()
+        tokenizer_texts_ = tokenizer_texts(records)
+        train_tokenizer(tokenizer_texts_, model_spec.vocab_size).save_pretrained(str(tok_dir))
+        times["tokenizer"] = time.time() - t
+    base_dir = work / "base_model"
+    if "base" in spec.stages and not (base_dir / "config.json").exists():
+        from transformers import AutoTokenizer
+        t = time.time()
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        train_spec = BaseTrainSpec(**{"seed": spec.seed, **spec.base})
+        examples = tokenized_examples(records, tokenizer, train_spec.block_len)
+        log(f"{len(examples)} training examples, {sum(len(e.ids) for e in examples)} tokens")
+        train_base_model(examples, tokenizer, base_dir, work, model_spec, train_spec, log=log)
+        times["base"] = time.time() - t
+    if "mtp" in spec.stages:
+        from pipeline.demo.train_mtp import MTPTrainSpec, train_mtp_into
+        t = time.time()
+        model_dir = Path(spec.model_dir)
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        shutil.copytree(base_dir, model_dir)
+        mtp_spec = MTPTrainSpec(**{"seed": spec.seed, **spec.mtp})
+        train_mtp_into(model_dir, records, mtp_spec, work / "mtp", log=log)
+        times["mtp"] = time.time() - t
+    result = {"times_s": times}
+    if "eval" in spec.stages:
+        from pipeline.demo.evaluate import evaluate_acceptance
+        t = time.time()
+        result["acceptance"] = evaluate_acceptance(Path(spec.model_dir), Path(spec.data_path), log=log)
+        times["eval"] = time.time() - t
+    result["total_s"] = time.time() - t0
+    (work / "build_result.json").write_text(json.dumps(result, indent=2, default=str))
+    log(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def spec_from_mapping(m: dict) -> BuildSpec:
+    known = {f.name for f in fields(BuildSpec)}
+    unknown = set(m) - known
+    if unknown:
+        raise ValueError(f"unknown build_demo keys {sorted(unknown)}; known: {sorted(known)}")
+    out = {k: v for k, v in m.items() if v is not None}
+    for k in ("work_dir", "model_dir", "data_path"):
+        if k in out:
+            out[k] = Path(out[k])
+    if "stages" in out:
+        out["stages"] = tuple(out["stages"])
+        bad = set(out["stages"]) - set(STAGES)
+        if bad:
+            raise ValueError(f"unknown stages {sorted(bad)}; known: {STAGES}")
+    return replace(BuildSpec(), **out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work-dir", default=str(BuildSpec.work_dir))
+    ap.add_argument("--stages", default=",".join(STAGES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--base-steps", type=int, default=None)
+    ap.add_argument("--mtp-steps", type=int, default=None)
+    a = ap.parse_args(argv)
+    spec = spec_from_mapping({"work_dir": a.work_dir, "stages": a.stages.split(","),
+                              "threads": a.threads,
+                              "base": {"steps": a.base_steps} if a.base_steps else {},
+                              "mtp": {"steps": a.mtp_steps} if a.mtp_steps else {}})
+    build(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""Self-distillation math for MTP heads: unrolled chained drafting, losses, acceptance.
+
+Depth k at position i (DeepSeek-V3): the head takes prev_hidden = the depth k-1 output at i
+(the target's hidden h_i for k = 1) and the token t_{i+k}, and predicts t_{i+k+1}. Its teacher
+is the target's own distribution at position i + k, i.e. target_logits[:, i + k].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.model.mtp import head_for_depth
+
+
+def unrolled_head_logits(heads, hidden: torch.Tensor, ids: torch.Tensor, depths: int) -> list[torch.Tensor]:
+    """Chain the heads over depths 1..depths on whole sequences (gradients flow through the chain).
+
+    hidden: [B, T, H] target hidden states; ids: [B, T]. Returns per depth k logits
+    [B, T - k, V], where entry i predicts ids[:, i + k + 1] (teacher: target logits at i + k).
+    A head reused across depths (fewer heads than depths) is applied again to its own output.
+    """
+    t = ids.shape[1]
+    prev, out = hidden, []
+    for k in range(1, depths + 1):
+        head = heads[head_for_depth(len(heads), k)]
+        h = head.forward_full(prev[:, : t - k], ids[:, k:])          # [B, T - k, H]
+        out.append(head.logits(h))                                   # [B, T - k, V]
+        prev = h
+    return out
+
+
+def depth_weights(depths: int, decay: float) -> list[float]:
+    """Loss weight per depth, later depths weighted down: [1, decay, decay^2, ...]."""
+    return [decay ** k for k in range(depths)]
+
+
+def distill_loss(head_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor,
+                 ce_weight: float) -> torch.Tensor:
+    """KL(teacher || head) plus ce_weight * CE(head, teacher argmax), weighted mean over positions.
+
+    head_logits, teacher_logits: [B, L, V]; weights: [B, L] (0 on padding).
+    """
+    logq = F.log_softmax(head_logits.float(), dim=-1)
+    logp = F.log_softmax(teacher_logits.float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)                          # [B, L]
+    ce = -logq.gather(-1, logp.argmax(-1, keepdim=True)).squeeze(-1)   # [B, L]
+    per_pos = kl + ce_weight * ce
+    return (per_pos * weights).sum() / weights.sum().clamp_min(1e-6)
+
+
+def mtp_loss(heads, hidden, teacher_logits, ids, weights, depths: int, decay: float,
+             ce_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """Weighted sum over depths of distill_loss. weights: [B, T] per-position weights of ids
+    (0 on padding); depth k's position i uses the weight of position i + k. Returns the loss
+    and the per-depth values (floats, for logging)."""
+    total, parts = 0.0, []
+    for k, (lg, w) in enumerate(zip(unrolled_head_logits(heads, hidden, ids, depths),
+                                    depth_weights(depths, decay)), start=1):
+        lk = distill_loss(lg, teacher_logits[:, k:], weights[:, k:], ce_weight)
+        total = total + w * lk
+        parts.append(float(lk.detach()))
+    return total / sum(depth_weights(depths, decay)), parts
+
+
+@torch.no_grad()
+def teacher_forced_acceptance(heads, hidden, teacher_logits, ids, mask, depths: int) -> list[float]:
+    """Greedy per-depth acceptance a_k estimated on whole sequences, drafting from every position.
+
+    Draft k from position i is right when the head's argmax equals the target's argmax at
+    i + k; a_k = P(draft k right | drafts 1..k-1 right). mask: [B, T] bool, positions whose
+    drafts count (e.g. the generated part). Returns [a_1, ..., a_depths].
+    """
+    t = ids.shape[1]
+    logits = unrolled_head_logits(heads, hidden, ids, depths)
+    want = teacher_logits.argmax(-1)                                   # [B, T]
+    alive = mask[:, : t - depths].clone()                              # drafts all depths fit
+    out = []
+    for k, lg in enumerate(logits, start=1):
+        right = lg[:, : t - depths].argmax(-1) == want[:, k: k + t - depths]
+        n_before = alive.sum().item()
+        alive = alive & right
+        out.append(alive.sum().item() / max(1, n_before))
+    return out
+
+
+def expected_tokens_per_step(acceptance: list[float], gamma: int) -> float:
+    """E(gamma) = 1 + sum_{j<=gamma} prod_{k<=j} a_k (DESIGN.md), e.g. [0.5, 0.5], 2 -> 1.75."""
+    total, prod = 1.0, 1.0
+    for a in acceptance[:gamma]:
+        prod *= a
+        total += prod
+    return total

@@ -1,0 +1,199 @@
+"""`+job=train_mtp`: train DeepSeek-layout MTP heads for a checkpoint by self-distillation.
+
+1. The frozen target generates greedy continuations of a prompt set (the sequences the heads
+   will draft for at inference time).
+2. Heads are trained unrolled over depths 1..K to match the target's own distribution at every
+   position (KL + CE on its argmax; generated positions weighted up, later depths down).
+3. The heads are written into the checkpoint in DeepSeek naming (`model.layers.{N + k}.*`),
+   and per-depth acceptance on held-out sequences is reported.
+Resumable: generated sequences and head/optimiser checkpoints live in `work_dir`.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.demo.mtp_math import expected_tokens_per_step, mtp_loss, teacher_forced_acceptance
+
+
+@dataclass(frozen=True)
+class MTPTrainSpec:
+    num_heads: int = 1             # heads written to the checkpoint; the last is reused beyond
+    depths: int = 3                # depths trained (unrolled); >= num_heads
+    steps: int = 300
+    batch_size: int = 16
+    max_prompt_tokens: int = 320   # prompts are left-truncated to this
+    max_new_tokens: int = 48       # greedy continuation generated per prompt
+    num_prompts: int = 1536        # training prompts (from the training split)
+    num_eval: int = 96             # held-out sequences for the acceptance report
+    lr: float = 1e-3
+    warmup: int = 20
+    depth_decay: float = 0.6       # loss weight of depth k: decay^(k-1)
+    ce_weight: float = 0.5
+    gen_weight: float = 3.0        # loss weight of generated positions vs prompt positions
+    save_every: int = 50
+    seed: int = 0
+    bf16: bool = True
+
+
+def greedy_sequences(model, tokenizer, prompts: list[str], max_prompt_tokens: int,
+                     max_new_tokens: int, batch_size: int = 32, desc: str = "generate"):
+    """Greedy continuations with transformers' generate (identical to the engine at gamma 0).
+    Returns a list of (ids [L] LongTensor, prompt_len) pairs, eos-trimmed."""
+    from tqdm import tqdm
+    out = []
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    for s in tqdm(range(0, len(prompts), batch_size), desc=desc, dynamic_ncols=True, mininterval=5.0):
+        enc = [tokenizer(p)["input_ids"] for p in prompts[s: s + batch_size]]
+        enc = [e[:1] + e[1:][-(max_prompt_tokens - 1):] for e in enc]       # keep bos
+        width = max(len(e) for e in enc)
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])     # left padding
+        att = (torch.arange(width)[None, :] >= torch.tensor([width - len(e) for e in enc])[:, None]).long()
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=att, do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+        for e, row in zip(enc, gen[:, width:].tolist()):
+            if eos in row:
+                row = row[: row.index(eos) + 1]
+            out.append((torch.tensor(e + row), len(e)))
+    return out
+
+
+def collate(seqs, gen_weight: float):
+    """Right-pad (ids, prompt_len) pairs: ids [B, T], weights [B, T], generated-mask [B, T]."""
+    t = max(len(s) for s, _ in seqs)
+    ids = torch.zeros(len(seqs), t, dtype=torch.long)
+    w = torch.zeros(len(seqs), t)
+    gen = torch.zeros(len(seqs), t, dtype=torch.bool)
+    for i, (s, p) in enumerate(seqs):
+        ids[i, : len(s)] = s
+        w[i, : len(s)] = 1.0
+        w[i, p - 1: len(s)] = gen_weight        # the last prompt position drafts the first answer
+        gen[i, p - 1: len(s)] = True
+    return ids, w, gen
+
+
+def _prompts(records, heldout: bool, n: int, seed: int) -> list[str]:
+    from pipeline.demo.tasks import prompt_for, task_pairs
+    ps = [prompt_for(t, x) for r in records if r.heldout == heldout for t, x, _ in task_pairs(r)]
+    random.Random(seed).shuffle(ps)
+    return ps[:n]
+
+
+def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir: Path, log=print):
+    """Train spec.num_heads fresh heads on `loaded.target`; returns (heads, eval acceptance)."""
+    from tqdm import tqdm
+
+    from pipeline.model.mtp import MTPHead
+    target = loaded.target
+    for p in target.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(spec.seed)
+    heads = torch.nn.ModuleList(MTPHead.from_target(target, loaded.config) for _ in range(spec.num_heads))
+    opt = torch.optim.AdamW(heads.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    ckpt, start = work_dir / "mtp_train.pt", 0
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"])
+        log(f"resuming MTP training at step {start}/{spec.steps}")
+    for h in heads:
+        h.bind(target).train()
+    order = random.Random(spec.seed)
+    bar = tqdm(range(start, spec.steps), initial=start, total=spec.steps, desc="mtp heads",
+               dynamic_ncols=True, mininterval=5.0)
+    ema = None
+    for step in bar:
+        rng = random.Random(spec.seed * 100003 + step)          # batch depends only on step
+        batch = [train_seqs[rng.randrange(len(train_seqs))] for _ in range(spec.batch_size)]
+        ids, w, _ = collate(batch, spec.gen_weight)
+        lr = spec.lr * min(1.0, (step + 1) / spec.warmup) * (0.1 + 0.9 * (1 - step / spec.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=spec.bf16):
+            with torch.no_grad():
+                hidden = target.forward_full(ids)
+                teacher = target.logits(hidden)
+            loss, parts = mtp_loss(heads, hidden, teacher, ids, w, spec.depths, spec.depth_decay,
+                                   spec.ce_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}", d1=f"{parts[0]:.2f}", dK=f"{parts[-1]:.2f}")
+        if (step + 1) % spec.save_every == 0 or step + 1 == spec.steps:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+            tmp.replace(ckpt)
+    del order
+    heads.eval()
+    acc = evaluate_heads(target, heads, eval_seqs, spec.depths)
+    return heads, acc
+
+
+@torch.no_grad()
+def evaluate_heads(target, heads, seqs, depths: int, batch_size: int = 16) -> list[float]:
+    """Teacher-forced greedy per-depth acceptance over the generated parts of `seqs`."""
+    right, total = [0.0] * depths, [0.0] * depths
+    for s in range(0, len(seqs), batch_size):
+        ids, _, gen = collate(seqs[s: s + batch_size], 1.0)
+        hidden = target.forward_full(ids)
+        teacher = target.logits(hidden)
+        n = gen[:, : ids.shape[1] - depths].sum().item()
+        acc = teacher_forced_acceptance(heads, hidden, teacher, ids, gen, depths)
+        alive = n
+        for k, a in enumerate(acc):
+            total[k] += alive
+            right[k] += alive * a
+            alive *= a
+    return [r / max(t, 1e-9) for r, t in zip(right, total)]
+
+
+def train_mtp_into(model_dir: Path, records, spec: MTPTrainSpec, work_dir: Path, log=print) -> dict:
+    """Generate, train and write heads into `model_dir` (a checkpoint directory, edited in place)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.model.loader import load_model
+    from pipeline.model.mtp import save_mtp_heads
+    work_dir.mkdir(parents=True, exist_ok=True)
+    seq_path = work_dir / "sequences.pt"
+    if seq_path.exists():
+        data = torch.load(seq_path, weights_only=False)
+    else:
+        t = time.time()
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        train_p = _prompts(records, False, spec.num_prompts, spec.seed)
+        eval_p = _prompts(records, True, spec.num_eval, spec.seed)
+        data = {"train": greedy_sequences(hf, tok, train_p, spec.max_prompt_tokens, spec.max_new_tokens),
+                "eval": greedy_sequences(hf, tok, eval_p, spec.max_prompt_tokens, spec.max_new_tokens,
+                                         desc="generate (held out)")}
+        torch.save(data, seq_path)
+        log(f"generated {len(data['train'])} + {len(data['eval'])} greedy sequences in {time.time() - t:.0f}s")
+    loaded = load_model(model_dir, device="cpu", dtype=torch.float32)
+    heads, acc = train_mtp_heads(loaded, data["train"], data["eval"], spec, work_dir, log=log)
+    save_mtp_heads(model_dir, list(heads))
+    report = {"teacher_forced_acceptance": acc,
+              "expected_tokens_per_step_gamma3": expected_tokens_per_step(acc, 3)}
+    log(f"MTP heads written to {model_dir}: {report}")
+    return report
+
+
+def main(cfg) -> int:
+    """Hydra recipe `train_mtp`: heads for `model.path` (edited in place) from stdlib prompts."""
+    from omegaconf import OmegaConf
+
+    from pipeline.demo.extract import extract_functions
+    opts = OmegaConf.to_container(cfg.get("mtp", {}) or {}, resolve=True)
+    work = Path(opts.pop("work_dir", "runs/train_mtp/work"))
+    threads = int(opts.pop("threads", 2))
+    torch.set_num_threads(threads)
+    spec = MTPTrainSpec(**opts)
+    train_mtp_into(Path(cfg.model.path), extract_functions(), spec, work)
+    return 0
