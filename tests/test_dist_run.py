@@ -1,6 +1,7 @@
 """End to end on Ray: a tiny checkpoint, 2 actors, several shards; every id exactly once with
 DESIGN.md's columns; resume redoes nothing, or only what is missing."""
 import json
+import os
 import subprocess
 import sys
 
@@ -146,3 +147,55 @@ def test_missing_demo_assets_name_the_build_command():
            "output": {"dir": "runs/x"}}
     with pytest.raises(UserError, match=r"\+job=build_demo"):
         check_inputs(RunConfig.from_dict(raw))
+
+
+class CrashingEngine:
+    """Wraps a real engine; the actor process exits (as on an OOM kill or a lost node) when a
+    batch holds a prompt with CRASH: only the first time, or every time."""
+
+    def __init__(self, engine, marker, always):
+        self.engine, self.marker, self.always = engine, marker, always
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, params, gamma="auto"):
+        if any("CRASH" in p for p in prompts) and (self.always or not self.marker.exists()):
+            self.marker.touch()
+            os._exit(1)
+        return self.engine.generate(prompts, params, gamma=gamma)
+
+
+def crashing_loader(marker, always):
+    def load(model, engine):
+        from pipeline.dist.actor import load_engine
+        return CrashingEngine(load_engine(model, engine), marker, always)
+    return load
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_actor_deaths_lose_no_rows(assets, ray_session, tmp_path, always):
+    from pipeline.dist.driver import run_generation
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    n = 8
+    texts = [f"row {i}" + (" CRASH" if i == 5 else "") for i in range(n)]
+    pq.write_table(pa.table({"prompt": texts}), tmp_path / "d.parquet")
+    raw = {"model": {"path": assets["model"]}, "data": {"path": str(tmp_path / "d.parquet")},
+           "output": {"dir": str(tmp_path / "run")}, "sampling": {"max_new_tokens": 3},
+           "spec": {"gamma": 1}, "shards": {"rows_per_shard": 3, "max_attempts": 2},
+           "cluster": {"num_actors": 2, "cpus_per_actor": 1}}
+    manifest = run_generation(RunConfig.from_dict(raw), raw, progress=False,
+                              loader=crashing_loader(tmp_path / "crashed", always))
+    assert manifest["status"] == "finished"
+    table = outputs(tmp_path / "run")
+    assert sorted(table["id"].to_pylist()) == list(range(n))
+    errors = {i: e for i, e in zip(table["id"].to_pylist(), table["error"].to_pylist()) if e}
+    stats = pq.read_table(tmp_path / "run" / "stats" / "shards.parquet").to_pylist()
+    crashed_shard = [s for s in stats if s["shard_id"] == 1]
+    assert crashed_shard[0]["attempt"] == 2
+    if always:   # the shard holding row 5 failed both attempts: its rows say why
+        assert sorted(errors) == [3, 4, 5] and all("actor died" in e for e in errors.values())
+        assert manifest["totals"]["rows_with_error"] == 3
+    else:        # the retry on a fresh actor succeeded
+        assert errors == {}

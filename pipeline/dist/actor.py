@@ -22,16 +22,22 @@ def load_engine(model: ModelConfig, engine: EngineConfig) -> Any:
                                   max_batch_size=engine.max_batch_size)
 
 
-def _import(target: str) -> Callable:
+Loader = Callable[[ModelConfig, EngineConfig], Any]
+
+
+def _import(target: str | Loader) -> Loader:
+    if callable(target):
+        return target
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
 class ShardWorker:
-    """One actor = one engine. `loader` ('module:function') exists so tests can substitute."""
+    """One actor = one engine. `loader` ('module:function' or a function of (model, engine))
+    builds the engine; the default is `load_engine`."""
 
     def __init__(self, model: ModelConfig, engine: EngineConfig, num_threads: int | None = None,
-                 loader: str = "pipeline.dist.actor:load_engine") -> None:
+                 loader: str | Loader = "pipeline.dist.actor:load_engine") -> None:
         import torch
 
         if num_threads:
@@ -59,7 +65,7 @@ def actor_options(use_gpus: bool, gpus_per_actor: float, cpus_per_actor: int) ->
 
 
 def start_actor(model: ModelConfig, engine: EngineConfig, options: dict,
-                loader: str = "pipeline.dist.actor:load_engine") -> Any:
+                loader: str | Loader = "pipeline.dist.actor:load_engine") -> Any:
     threads = None if options.get("num_gpus") else int(options["num_cpus"])
     remote_cls = ray.remote(ShardWorker).options(**options)
     return remote_cls.remote(model, engine, threads, loader)

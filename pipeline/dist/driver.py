@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ClusterConfig, RunConfig, UserError
 from pipeline.data.record import RunRecord, open_run
-from pipeline.dist.actor import actor_options, start_actor
-from pipeline.dist.pool import ActorPool
+from pipeline.dist.actor import Loader, actor_options, load_engine, start_actor
+from pipeline.dist.pool import ActorPool, ActorsKeepDying
 from pipeline.dist.progress import Progress
 from pipeline.dist.worker import ShardResult, ShardTask, failed_shard_result
 
@@ -39,7 +39,7 @@ def check_inputs(cfg: RunConfig) -> None:
             raise UserError(f"{key} {what} does not exist{hint}")
 
 
-def start_ray(cluster: ClusterConfig, use_gpus_hint: bool = False) -> bool:
+def start_ray(cluster: ClusterConfig) -> bool:
     """Start (address null) or join Ray; True when this call started it (and must stop it)."""
     if ray.is_initialized():
         return False
@@ -61,6 +61,9 @@ def main(cfg: DictConfig) -> int:
     started = start_ray(run_cfg.cluster)
     try:
         manifest = run_generation(run_cfg, resolved)
+    except ActorsKeepDying as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if started:
             ray.shutdown()
@@ -74,8 +77,10 @@ def _use_gpus(cfg: RunConfig) -> bool:
     return cfg.model.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = True) -> dict:
-    """Run every pending shard of `cfg` on a pool of actors; returns the final manifest."""
+def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = True,
+                   loader: str | Loader = load_engine) -> dict:
+    """Run every pending shard of `cfg` on a pool of actors; returns the final manifest.
+    `loader(model_cfg, engine_cfg)` builds each actor's engine (default: Engine.from_pretrained)."""
     if not ray.is_initialized():
         raise RuntimeError("Ray is not running: start it first (pipeline.dist.driver.main does)")
     record = open_run(cfg, resolved)
@@ -85,7 +90,7 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
         return record.manifest
     options = actor_options(_use_gpus(cfg), cfg.cluster.gpus_per_actor, cfg.cluster.cpus_per_actor)
     size = min(cfg.cluster.num_actors, len(pending))
-    pool = ActorPool(lambda: start_actor(cfg.model, cfg.engine, options), size,
+    pool = ActorPool(lambda: start_actor(cfg.model, cfg.engine, options, loader), size,
                      max_deaths=size * cfg.shards.max_attempts)
     bar = Progress(record.total_rows, record.done_rows, enabled=progress)
     status = "failed"
