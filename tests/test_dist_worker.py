@@ -1,4 +1,5 @@
 """pipeline/dist/worker.py without Ray: one shard through a stand-in engine with the Engine API."""
+import time
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -7,8 +8,8 @@ import pytest
 
 from pipeline.config import OUTPUT_COLUMNS, DataConfig, SamplingConfig
 from pipeline.data import open_source, plan_shards
-from pipeline.dist.worker import (ShardTask, cpu_share, failed_shard_result, gamma_in_use,
-                                  process_shard)
+from pipeline.dist.utilization import UtilizationMeter, cpu_share
+from pipeline.dist.worker import ShardTask, failed_shard_result, gamma_in_use, process_shard
 
 pytest.importorskip("pipeline.engine", reason="engine package")
 
@@ -112,3 +113,14 @@ def test_gamma_in_use_and_cpu_share():
     assert gamma_in_use(stats, 0) == (0, "fixed by config (spec.gamma=0)")
     assert cpu_share(1.0, 2.0, 1) == 0.5
     assert cpu_share(1.0, 0.0, 1) is None
+
+
+def test_utilization_meter_on_cpu_sees_a_busy_loop():
+    with UtilizationMeter("cpu", threads=1) as meter:
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:
+            pass
+    assert 0.0 < meter.value <= 1.0
+    with UtilizationMeter("cuda:0") as meter:   # no GPU or no NVML here: None, not a crash
+        pass
+    assert meter.value is None or 0.0 <= meter.value <= 1.0

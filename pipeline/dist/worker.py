@@ -19,6 +19,7 @@ from pipeline.data.outputs import error_results, output_table
 from pipeline.data.plan import Shard
 from pipeline.data.prompts import build_prompts, needed_columns, row_ids, row_tasks
 from pipeline.data.read import read_shard
+from pipeline.dist.utilization import UtilizationMeter
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,8 @@ def _finite(x: float) -> float | None:
     return None if x != x else x
 
 
-def cpu_share(cpu_s: float, wall_s: float, threads: int) -> float | None:
-    """Process CPU time over wall time times threads: 1.0 = every thread busy throughout."""
-    if wall_s <= 0 or threads <= 0:
-        return None
-    return min(1.0, cpu_s / (wall_s * threads))
-
-
 def generate_group(engine: Any, prompts: list[str], sampling: SamplingConfig, seed: int,
-                   gamma: int | str, threads: int) -> tuple[list[dict], dict]:
+                   gamma: int | str, info: dict) -> tuple[list[dict], dict]:
     """One generate call; per-row results and the measured part of the stats row."""
     from pipeline.engine import SamplingParams
 
@@ -97,10 +91,10 @@ def generate_group(engine: Any, prompts: list[str], sampling: SamplingConfig, se
                             top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
                             stop=tuple(sampling.stop))
     engine.reset_stats()
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    outs = engine.generate(prompts, params, gamma=gamma)
+    wall0 = time.perf_counter()
+    with UtilizationMeter(info.get("device", "cpu"), int(info.get("threads", 1))) as meter:
+        outs = engine.generate(prompts, params, gamma=gamma)
     wall = time.perf_counter() - wall0
-    cpu = time.process_time() - cpu0
     results = [output_result(o) for o in outs]
     stats = engine.stats
     generated = sum(r["num_generated_tokens"] for r in results)
@@ -112,7 +106,7 @@ def generate_group(engine: Any, prompts: list[str], sampling: SamplingConfig, se
         "mean_acceptance_length": _finite(stats.mean_acceptance_length()),
         "tokens_per_s": generated / wall if wall > 0 else None,
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),
-        "utilization": cpu_share(cpu, wall, threads), "num_generated_tokens": generated,
+        "utilization": meter.value, "num_generated_tokens": generated,
     }
     return results, measured
 
@@ -136,7 +130,7 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None) -> Sha
         if good:
             outs, measured = generate_group(engine, [prompts[i] for i in good], task.sampling,
                                             shard_seed(task.sampling.seed, task.shard, g),
-                                            task.gamma, int(info.get("threads", 1)))
+                                            task.gamma, info)
             for i, r in zip(good, outs):
                 results[i] = r
         stats_rows.append(measured | {
