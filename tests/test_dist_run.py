@@ -199,3 +199,14 @@ def test_actor_deaths_lose_no_rows(assets, ray_session, tmp_path, always):
         assert manifest["totals"]["rows_with_error"] == 3
     else:        # the retry on a fresh actor succeeded
         assert errors == {}
+
+
+def test_pool_is_sized_to_what_the_cluster_holds(assets, ray_session, tmp_path):
+    from pipeline.dist.driver import pool_size
+
+    cpus = int(ray.cluster_resources()["CPU"])
+    raw = {"model": {"path": assets["model"]}, "data": {"path": "x"}, "output": {"dir": "y"},
+           "cluster": {"num_actors": cpus + 3, "cpus_per_actor": 1}}
+    cfg = RunConfig.from_dict(raw)
+    assert pool_size(cfg, use_gpus=False, pending=100) == cpus
+    assert pool_size(cfg, use_gpus=False, pending=1) == 1

@@ -77,6 +77,22 @@ def _use_gpus(cfg: RunConfig) -> bool:
     return cfg.model.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
 
 
+def pool_size(cfg: RunConfig, use_gpus: bool, pending: int) -> int:
+    """Actors to start: cluster.num_actors, but no more than there are shards, nor more than
+    the cluster's resources hold (an actor that can never be placed would wait forever)."""
+    total = ray.cluster_resources()
+    fit = (total.get("GPU", 0) // cfg.cluster.gpus_per_actor if use_gpus
+           else total.get("CPU", 0) // cfg.cluster.cpus_per_actor)
+    size = min(cfg.cluster.num_actors, pending)
+    if fit < size:
+        kind = "GPU" if use_gpus else "CPU"
+        print(f"warning: cluster.num_actors={cfg.cluster.num_actors} but the cluster has "
+              f"{total.get(kind, 0):g} {kind}s for {int(fit)} actor(s); starting "
+              f"{max(int(fit), 1)}", file=sys.stderr)
+        size = max(int(fit), 1)
+    return size
+
+
 def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = True,
                    loader: str | Loader = load_engine) -> dict:
     """Run every pending shard of `cfg` on a pool of actors; returns the final manifest.
@@ -88,8 +104,9 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     if not pending:
         record.save("finished")
         return record.manifest
-    options = actor_options(_use_gpus(cfg), cfg.cluster.gpus_per_actor, cfg.cluster.cpus_per_actor)
-    size = min(cfg.cluster.num_actors, len(pending))
+    use_gpus = _use_gpus(cfg)
+    options = actor_options(use_gpus, cfg.cluster.gpus_per_actor, cfg.cluster.cpus_per_actor)
+    size = pool_size(cfg, use_gpus, len(pending))
     pool = ActorPool(lambda: start_actor(cfg.model, cfg.engine, options, loader), size,
                      max_deaths=size * cfg.shards.max_attempts)
     bar = Progress(record.total_rows, record.done_rows, enabled=progress)
