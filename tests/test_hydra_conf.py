@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipeline.config import RunConfig
-from pipeline.recipes import CONF_DIR, REPO_ROOT, RECIPES, list_jobs, target_of
+from pipeline.recipes import CONF_DIR, REPO_ROOT, RECIPES, list_jobs, resolve, target_of
 from pipeline.run import register_resolvers
 
 JOBS = [name for name, _ in list_jobs()]
@@ -29,6 +29,7 @@ def test_job_composes(name):
     cfg = compose_job(name)
     assert cfg.job.name == name
     assert cfg.job.recipe, f"conf/job/{name}.yaml must set job.recipe"
+    assert callable(resolve(cfg.job.recipe))   # the recipe exists and imports
     raw = OmegaConf.to_container(cfg, resolve=True)
     if target_of(cfg.job.recipe) == RECIPES["generate"]:
         RunConfig.from_dict(raw)   # generation jobs must validate as a whole
@@ -62,3 +63,9 @@ def test_without_job_prints_the_job_list():
     assert "+job=NAME" in proc.stderr
     for name in JOBS:
         assert name in proc.stderr
+
+
+def test_recipe_names_resolve_by_registry_path_or_convention():
+    assert target_of("generate") == "pipeline.dist.driver:main"
+    assert target_of("pkg.mod:fn") == "pkg.mod:fn"
+    assert target_of("build_demo") == "jobs.build_demo:main"
