@@ -24,13 +24,14 @@ class BuildSpec:
     work_dir: Path = Path("runs/build_demo/work")
     model_dir: Path = ASSETS / "model"
     data_path: Path = ASSETS / "data" / "demo.parquet"
-    stages: tuple[str, ...] = STAGES
-    heldout_percent: int = 15
+    stages: tuple[str, ...] = STAGES  # subset of STAGES to run
+    heldout_percent: int = 15         # percent of functions held out (by a stable hash)
     seed: int = 0
     threads: int = 2
     base: dict = field(default_factory=dict)       # BaseTrainSpec overrides
     model: dict = field(default_factory=dict)      # BaseModelSpec overrides
     mtp: dict = field(default_factory=dict)        # MTPTrainSpec overrides
+    eval: dict = field(default_factory=dict)       # evaluate_acceptance keyword overrides
 
 
 def build(spec: BuildSpec, log=print) -> dict:
@@ -45,6 +46,7 @@ def build(spec: BuildSpec, log=print) -> dict:
     work = Path(spec.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     times, t0 = {}, time.time()
+    result = {"times_s": times}
     records = extract_functions(heldout_percent=spec.heldout_percent)
     log(f"extracted {len(records)} functions ({sum(r.heldout for r in records)} held out)")
     if "data" in spec.stages:
@@ -71,20 +73,21 @@ def build(spec: BuildSpec, log=print) -> dict:
         train_base_model(examples, tokenizer, base_dir, work, model_spec, train_spec, log=log)
         times["base"] = time.time() - t
     if "mtp" in spec.stages:
-        from pipeline.demo.train_mtp import MTPTrainSpec, train_mtp_into
+        from pipeline.demo.train_mtp import MTPTrainSpec, stdlib_prompts, train_mtp_into
         t = time.time()
         model_dir = Path(spec.model_dir)
         if model_dir.exists():
             shutil.rmtree(model_dir)
         shutil.copytree(base_dir, model_dir)
         mtp_spec = MTPTrainSpec(**{"seed": spec.seed, **spec.mtp})
-        train_mtp_into(model_dir, records, mtp_spec, work / "mtp", log=log)
+        train_p, eval_p = stdlib_prompts(records, mtp_spec)
+        result["mtp"] = train_mtp_into(model_dir, train_p, eval_p, mtp_spec, work / "mtp", log=log)
         times["mtp"] = time.time() - t
-    result = {"times_s": times}
     if "eval" in spec.stages:
         from pipeline.demo.evaluate import evaluate_acceptance
         t = time.time()
-        result["acceptance"] = evaluate_acceptance(Path(spec.model_dir), Path(spec.data_path), log=log)
+        result["acceptance"] = evaluate_acceptance(Path(spec.model_dir), Path(spec.data_path), log=log,
+                                                   **spec.eval)
         times["eval"] = time.time() - t
     result["total_s"] = time.time() - t0
     (work / "build_result.json").write_text(json.dumps(result, indent=2, default=str))
@@ -107,6 +110,13 @@ def spec_from_mapping(m: dict) -> BuildSpec:
         if bad:
             raise ValueError(f"unknown stages {sorted(bad)}; known: {STAGES}")
     return replace(BuildSpec(), **out)
+
+
+def run_job(cfg) -> int:
+    """Hydra recipe `build_demo` (jobs/build_demo.py): the `demo:` keys are BuildSpec fields."""
+    from omegaconf import OmegaConf
+    build(spec_from_mapping(OmegaConf.to_container(cfg.demo, resolve=True)))
+    return 0
 
 
 def main(argv=None) -> int:

@@ -53,10 +53,11 @@ def greedy_sequences(model, tokenizer, prompts: list[str], max_prompt_tokens: in
         width = max(len(e) for e in enc)
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])     # left padding
         att = (torch.arange(width)[None, :] >= torch.tensor([width - len(e) for e in enc])[:, None]).long()
+        dev = model.device
         with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=att, do_sample=False,
+            gen = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), do_sample=False,
                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-        for e, row in zip(enc, gen[:, width:].tolist()):
+        for e, row in zip(enc, gen[:, width:].cpu().tolist()):
             if eos in row:
                 row = row[: row.index(eos) + 1]
             out.append((torch.tensor(e + row), len(e)))
@@ -90,6 +91,7 @@ def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir:
 
     from pipeline.model.mtp import MTPHead
     target = loaded.target
+    dev = target.model.norm.weight.device
     for p in target.parameters():
         p.requires_grad_(False)
     torch.manual_seed(spec.seed)
@@ -104,7 +106,6 @@ def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir:
         log(f"resuming MTP training at step {start}/{spec.steps}")
     for h in heads:
         h.bind(target).train()
-    order = random.Random(spec.seed)
     bar = tqdm(range(start, spec.steps), initial=start, total=spec.steps, desc="mtp heads",
                dynamic_ncols=True, mininterval=5.0)
     ema = None
@@ -112,6 +113,7 @@ def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir:
         rng = random.Random(spec.seed * 100003 + step)          # batch depends only on step
         batch = [train_seqs[rng.randrange(len(train_seqs))] for _ in range(spec.batch_size)]
         ids, w, _ = collate(batch, spec.gen_weight)
+        ids, w = ids.to(dev), w.to(dev)
         lr = spec.lr * min(1.0, (step + 1) / spec.warmup) * (0.1 + 0.9 * (1 - step / spec.steps))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -131,7 +133,6 @@ def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
             tmp.replace(ckpt)
-    del order
     heads.eval()
     acc = evaluate_heads(target, heads, eval_seqs, spec.depths)
     return heads, acc
@@ -143,6 +144,8 @@ def evaluate_heads(target, heads, seqs, depths: int, batch_size: int = 16) -> li
     right, total = [0.0] * depths, [0.0] * depths
     for s in range(0, len(seqs), batch_size):
         ids, _, gen = collate(seqs[s: s + batch_size], 1.0)
+        dev = target.model.norm.weight.device
+        ids, gen = ids.to(dev), gen.to(dev)
         hidden = target.forward_full(ids)
         teacher = target.logits(hidden)
         n = gen[:, : ids.shape[1] - depths].sum().item()
@@ -155,12 +158,31 @@ def evaluate_heads(target, heads, seqs, depths: int, batch_size: int = 16) -> li
     return [r / max(t, 1e-9) for r, t in zip(right, total)]
 
 
-def train_mtp_into(model_dir: Path, records, spec: MTPTrainSpec, work_dir: Path, log=print) -> dict:
+def stdlib_prompts(records, spec: MTPTrainSpec) -> tuple[list[str], list[str]]:
+    """Demo prompts: training-split functions to train on, held-out ones to report on."""
+    return (_prompts(records, False, spec.num_prompts, spec.seed),
+            _prompts(records, True, spec.num_eval, spec.seed))
+
+
+def data_prompts(path: str, template: str | None, column: str, spec: MTPTrainSpec):
+    """Prompts from a Parquet dataset (`data.path`): the last num_eval rows are held out."""
+    import pyarrow.parquet as pq
+    rows = pq.read_table(path).to_pylist()
+    ps = [template.format(**r) if template else r[column] for r in rows]
+    held = ps[-spec.num_eval:]
+    train = ps[: len(ps) - len(held)]
+    random.Random(spec.seed).shuffle(train)
+    return train[: spec.num_prompts], held
+
+
+def train_mtp_into(model_dir: Path, train_prompts: list[str], eval_prompts: list[str],
+                   spec: MTPTrainSpec, work_dir: Path, device: str = "cpu", log=print) -> dict:
     """Generate, train and write heads into `model_dir` (a checkpoint directory, edited in place)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.model.loader import load_model
+    from pipeline.model.loader import load_model, resolve_device
     from pipeline.model.mtp import save_mtp_heads
+    dev = resolve_device(device)
     work_dir.mkdir(parents=True, exist_ok=True)
     seq_path = work_dir / "sequences.pt"
     if seq_path.exists():
@@ -168,32 +190,37 @@ def train_mtp_into(model_dir: Path, records, spec: MTPTrainSpec, work_dir: Path,
     else:
         t = time.time()
         tok = AutoTokenizer.from_pretrained(str(model_dir))
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        train_p = _prompts(records, False, spec.num_prompts, spec.seed)
-        eval_p = _prompts(records, True, spec.num_eval, spec.seed)
-        data = {"train": greedy_sequences(hf, tok, train_p, spec.max_prompt_tokens, spec.max_new_tokens),
-                "eval": greedy_sequences(hf, tok, eval_p, spec.max_prompt_tokens, spec.max_new_tokens,
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(dev).eval()
+        data = {"train": greedy_sequences(hf, tok, train_prompts, spec.max_prompt_tokens, spec.max_new_tokens),
+                "eval": greedy_sequences(hf, tok, eval_prompts, spec.max_prompt_tokens, spec.max_new_tokens,
                                          desc="generate (held out)")}
         torch.save(data, seq_path)
+        del hf
         log(f"generated {len(data['train'])} + {len(data['eval'])} greedy sequences in {time.time() - t:.0f}s")
-    loaded = load_model(model_dir, device="cpu", dtype=torch.float32)
+    loaded = load_model(model_dir, device=dev, dtype=torch.float32)
     heads, acc = train_mtp_heads(loaded, data["train"], data["eval"], spec, work_dir, log=log)
-    save_mtp_heads(model_dir, list(heads))
-    report = {"teacher_forced_acceptance": acc,
-              "expected_tokens_per_step_gamma3": expected_tokens_per_step(acc, 3)}
+    save_mtp_heads(model_dir, [h.float().cpu() for h in heads])
+    report = {"teacher_forced_acceptance": [round(a, 4) for a in acc],
+              "expected_tokens_per_step_gamma3": round(expected_tokens_per_step(acc, 3), 3)}
     log(f"MTP heads written to {model_dir}: {report}")
     return report
 
 
 def main(cfg) -> int:
-    """Hydra recipe `train_mtp`: heads for `model.path` (edited in place) from stdlib prompts."""
+    """Hydra recipe `train_mtp`: heads for `model.path` (edited in place); keys under `mtp:`."""
     from omegaconf import OmegaConf
-
-    from pipeline.demo.extract import extract_functions
     opts = OmegaConf.to_container(cfg.get("mtp", {}) or {}, resolve=True)
     work = Path(opts.pop("work_dir", "runs/train_mtp/work"))
-    threads = int(opts.pop("threads", 2))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(int(opts.pop("threads", 2)))
+    source = opts.pop("prompt_source", "stdlib")
     spec = MTPTrainSpec(**opts)
-    train_mtp_into(Path(cfg.model.path), extract_functions(), spec, work)
+    if source == "stdlib":
+        from pipeline.demo.extract import extract_functions
+        train_p, eval_p = stdlib_prompts(extract_functions(), spec)
+    elif source == "data":
+        train_p, eval_p = data_prompts(str(cfg.data.path), cfg.data.get("template"),
+                                       cfg.data.get("prompt_column", "prompt"), spec)
+    else:
+        raise ValueError(f"mtp.prompt_source must be 'stdlib' or 'data', got {source!r}")
+    train_mtp_into(Path(cfg.model.path), train_p, eval_p, spec, work, device=cfg.model.get("device", "cpu"))
     return 0
