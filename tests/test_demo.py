@@ -1,0 +1,122 @@
+"""Demo builder pieces: stdlib extraction, task formats, packing, and the shipped artefacts."""
+from __future__ import annotations
+
+import ast
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.demo.corpus import Example
+from pipeline.demo.extract import function_record, heldout_bucket
+from pipeline.demo.tasks import TEMPLATES, complete_split, prompt_for, signature_json, task_pairs
+from pipeline.demo.train_base import BaseTrainSpec, block_tensors, lr_at, pack_blocks
+
+ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets" / "demo"
+SRC = '''class Box:
+    def scale(self, factor=2, *, clamp=None):
+        """Scale the box by a factor.
+
+        More text.
+        """
+        w = self.w * factor
+        h = self.h * factor
+        if clamp is not None:
+            w = min(w, clamp)
+        return Box(w, h)
+'''
+
+
+def record(heldout_percent=0):
+    tree = ast.parse(SRC)
+    fn = tree.body[0].body[0]
+    return function_record("m", "Box.scale", fn, SRC.splitlines(), heldout_percent)
+
+
+def test_function_record_strips_docstring_and_dedents():
+    r = record()
+    assert r.summary == "Scale the box by a factor."
+    assert r.source.startswith("def scale(self, factor=2, *, clamp=None):\n    \"\"\"Scale")
+    assert '"""' not in r.code and r.code.splitlines()[1] == "    w = self.w * factor"
+    assert r.header == "def scale(self, factor=2, *, clamp=None):"
+    assert not r.heldout and record(100).heldout
+
+
+def test_heldout_bucket_is_stable():
+    assert heldout_bucket("def f():\n    return 1") == heldout_bucket("def f():\n    return 1")
+    assert 0 <= heldout_bucket("x") < 100
+
+
+def test_signature_json():
+    got = json.loads(signature_json("def f(a, /, b=1, *args, c, d='x', **kw) -> int:"))
+    assert got == {"name": "f", "parameters": ["a", "b", "*args", "c", "d", "**kw"],
+                   "defaults": {"b": "1", "d": "'x'"}}
+    assert signature_json("not python(") is None
+
+
+def test_task_pairs_and_templates():
+    r = record()
+    pairs = {t: (text, ref) for t, text, ref in task_pairs(r)}
+    assert set(pairs) == {"summarize", "complete", "json"}
+    assert pairs["summarize"] == (r.code, " Scale the box by a factor.")
+    start, rest = complete_split(r)
+    assert start + rest == "\n".join(r.source.splitlines()[: len((start + rest).splitlines())])
+    assert rest.startswith("\n")
+    assert prompt_for("summarize", "X") == TEMPLATES["summarize"].format(text="X") == "Summarize:\nX\nSummary:"
+
+
+def test_pack_blocks_keeps_examples_whole_and_weights_answers():
+    exs = [Example([1] + [5] * n + [2], 1 if n % 2 else 3, "raw") for n in range(3, 40, 3)]
+    blocks = pack_blocks(exs, 64, random.Random(0))
+    assert sorted(i for b in blocks for i, _ in b) == list(range(len(exs)))
+    for b in blocks:
+        end = max(off + len(exs[i].ids) for i, off in b)
+        assert end <= 64
+    ids, targets, w = block_tensors(exs, blocks[0], 64, answer_weight=2.0)
+    assert torch.equal(targets[:-1], ids[1:])
+    for i, off in blocks[0]:
+        ex = exs[i]
+        assert ids[off] == 1 and (off == 0 or w[off - 1] == 0)      # bos is never a target
+        want = [1.0] * (ex.answer_start - 1) + [2.0 if ex.answer_start > 1 else 1.0] * (len(ex.ids) - ex.answer_start)
+        assert w[off: off + len(ex.ids) - 1].tolist() == want
+
+
+def test_lr_schedule_warms_up_and_decays():
+    s = BaseTrainSpec(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, s) == pytest.approx(0.1) and lr_at(9, s) == pytest.approx(1.0)
+    assert lr_at(99, s) == pytest.approx(0.1, abs=1e-3)
+
+
+@pytest.mark.skipif(not (ASSETS / "data" / "demo.parquet").exists(), reason="demo dataset not built")
+def test_shipped_dataset_is_held_out_and_complete():
+    import pyarrow.parquet as pq
+    t = pq.read_table(str(ASSETS / "data" / "demo.parquet"))
+    assert {"id", "task", "text", "reference"} <= set(t.column_names)
+    rows = t.to_pylist()
+    assert len(rows) >= 2000 and {r["task"] for r in rows} == {"summarize", "complete", "json"}
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert r["prompt"] == prompt_for(r["task"], r["text"]) and r["reference"]
+        if r["task"] == "summarize":
+            assert heldout_bucket(r["text"]) < 15     # held out by the build's split
+
+
+@pytest.mark.skipif(not (ASSETS / "model" / "config.json").exists(), reason="demo model not built")
+def test_shipped_model_loads_with_transformers_and_engine():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.model.loader import load_model
+    size = sum(p.stat().st_size for p in (ASSETS / "model").iterdir())
+    assert size < 25 * 1024 * 1024
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "model"))
+    model = AutoModelForCausalLM.from_pretrained(str(ASSETS / "model"), dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    loaded = load_model(ASSETS / "model")
+    assert len(loaded.heads) >= 1
+    ids = torch.tensor([tok("Summarize:\ndef f(x):\n    return x\nSummary:")["input_ids"]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = loaded.target.logits(loaded.target.forward_full(ids))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
