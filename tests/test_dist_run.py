@@ -103,10 +103,13 @@ def test_run_then_resume(assets, ray_session, tmp_path):
 
     # resume a finished run: nothing is redone, nothing is rewritten
     before = part_mtimes(out_dir)
+    first_tok_s = manifest["totals"]["tokens_per_s"]
+    assert first_tok_s > 0
     run_cfg = RunConfig.from_dict(OmegaConf.to_container(job_cfg(assets, out_dir, "resume=true"),
                                                          resolve=True))
     manifest = run_generation(run_cfg, {}, progress=False)
     assert manifest["status"] == "finished"
+    assert manifest["totals"]["tokens_per_s"] == first_tok_s   # the measurement is kept
     assert part_mtimes(out_dir) == before
     assert pq.read_table(out_dir / "stats" / "shards.parquet").equals(stats)
 

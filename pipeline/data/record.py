@@ -60,7 +60,10 @@ class RunRecord:
         self.save("running")
 
     def totals(self) -> dict[str, Any]:
-        return totals(self.stats_rows, self.session_tokens, time.perf_counter() - self.session_start)
+        t = totals(self.stats_rows, self.session_tokens, time.perf_counter() - self.session_start)
+        if self.session_tokens == 0:   # a resume with nothing left keeps the last measurement
+            t["tokens_per_s"] = self.manifest.get("totals", {}).get("tokens_per_s")
+        return t
 
     def save(self, status: str) -> None:
         self.manifest["status"] = status
@@ -98,6 +101,7 @@ def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
         "data": {"files": len(source.files), "dataset_rows": source.total_rows},
         "plan": {"rows_per_shard": cfg.shards.rows_per_shard, "num_shards": len(plan),
                  "rows": sum(s.num_rows for s in plan)},
+        "totals": (previous or {}).get("totals", {}) if cfg.resume else {},
     }
     record = RunRecord(run_dir, source, plan, manifest, committed=committed)
     for path in committed.values():

@@ -31,12 +31,12 @@ def check_inputs(cfg: RunConfig) -> None:
         if any(c in path for c in "*?["):
             continue
         p = Path(path)
-        missing = not p.exists() or (need is not None and not (p / need).is_file())
-        if missing:
-            hint = (f"; the demo assets are built with `{BUILD_DEMO}`"
-                    if Path(path).resolve().is_relative_to(DEMO_DIR) else "")
-            what = f"{path} (no {need})" if p.exists() else path
-            raise UserError(f"{key} {what} does not exist{hint}")
+        if p.exists() and (need is None or (p / need).is_file()):
+            continue
+        problem = f"{path} has no {need}" if p.exists() else f"{path} does not exist"
+        hint = (f"; the demo assets are built with `{BUILD_DEMO}`"
+                if p.resolve().is_relative_to(DEMO_DIR) else "")
+        raise UserError(f"{key} {problem}{hint}")
 
 
 def start_ray(cluster: ClusterConfig) -> bool:
