@@ -93,7 +93,7 @@ def test_mtp_caches_hold_prompt_and_accepted_tokens(tmp_path):
     s, drafter = run.slots, run.slots.drafter
     n = s.n
     drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))   # runs the fill
-    assert engine.stats.accepted[0] > 0
+    assert engine.last_stats.accepted[0] > 0
     target, heads = engine.target, engine.heads
     for slot in range(n):
         row = s.rows[slot]

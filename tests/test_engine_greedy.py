@@ -75,3 +75,17 @@ def test_gamma_changes_between_steps(root):
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=20), gamma=Cycle())
     assert [o.token_ids for o in outs] == refs
     assert engine.stats.accepted[0] > 0
+
+
+def test_auto_policy_records_a_decision_per_step(root):
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.05, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=8, gamma_max=4)
+    prompts = random_prompts([4, 8, 2, 11, 6, 3] * 5, 128, seed=5)
+    engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True), gamma="auto")
+    decisions = engine.last_policy.decisions
+    steps = engine.last_stats.steps
+    assert len(decisions) == len(steps) and [d.gamma for d in decisions] == [s.gamma for s in steps]
+    assert "calibrating" in decisions[0].reason and decisions[0].gamma == 4
+    decided = [d for d in decisions if d.predicted_goodput]
+    assert decided, "after calibration the policy must decide from measured costs"
+    assert all(d.predicted_goodput[d.gamma] == max(d.predicted_goodput) for d in decided)

@@ -20,9 +20,14 @@ from pipeline.model.cache import Batch, KVCache
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec import rng
 from pipeline.spec.acceptance import greedy_accept, rejection_sample
-from pipeline.spec.policy import GammaPolicy, StepContext, make_policy
+from pipeline.engine.profile import profile_costs
+from pipeline.spec.cost import CostModel, fit_cost_model
+from pipeline.spec.policy import GammaPolicy, GoodputPolicy, StepContext, make_policy
 from pipeline.spec.sampling import filtered_probs, sample
 from pipeline.spec.stats import PrefillRecord, SpecStats, StepRecord
+
+
+_KEEP_STEPS = 4096      # step records an engine keeps for the cost model and stats export
 
 
 class Engine:
@@ -38,8 +43,11 @@ class Engine:
         self.gamma_max = gamma_max
         self.device = self.target.model.norm.weight.device
         self.dtype = self.target.model.norm.weight.dtype
-        self.stats = SpecStats()
-        self.policy: GammaPolicy | None = None
+        self.stats = SpecStats()              # everything this engine measured, all calls
+        self.last_stats = SpecStats()         # the last generate call alone
+        self.profile: list[StepRecord] = []   # cost profile (see profile_costs), measured once
+        self._cost: CostModel | None = None
+        self._cost_steps = -1
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
@@ -61,16 +69,40 @@ class Engine:
     def reset_stats(self) -> None:
         self.stats = SpecStats()
 
+    # ---- the measured gamma policy -------------------------------------------------------------
+    def cost_model(self) -> CostModel | None:
+        """The cost model fitted from the profile and every measured step, refitted as steps
+        accumulate (every 32 new steps)."""
+        n = len(self.stats.steps) + len(self.last_stats.steps)
+        if self._cost is None or n - self._cost_steps >= 32:
+            self._cost = fit_cost_model(self.profile + self.stats.steps[-2000:] + self.last_stats.steps)
+            self._cost_steps = n
+        return self._cost
+
+    def ensure_profile(self, context_len: int = 128) -> None:
+        if not self.profile and self.heads:
+            self.profile = profile_costs(self, self.max_batch_size, self.gamma_max, context_len)
+
+    def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128) -> GoodputPolicy:
+        """A GoodputPolicy over this engine's cost model. `prior`: acceptance measured on earlier
+        shards of the same task (else the policy calibrates at gamma_max first)."""
+        self.ensure_profile(context_len)
+        return GoodputPolicy(self.gamma_max, self.cost_model, prior or SpecStats())
+
     # ---- public entry ------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts, params: SamplingParams | None = None, gamma="auto") -> list[RequestOutput]:
         """One output per prompt, in order. `gamma`: an int >= 0, "auto", or a GammaPolicy."""
         params = params or SamplingParams()
         policy = self._resolve_policy(gamma)
+        self.last_policy = policy             # its .decisions explain each step's gamma
         rows = [self._make_row(i, p, params) for i, p in enumerate(prompts)]
         live = [r for r in rows if r.out.error is None]
+        self.last_stats = SpecStats()
         if live:
             _Run(self, live, params, policy).run()
+        self.stats = self.stats.merge(self.last_stats)
+        del self.stats.steps[:-_KEEP_STEPS], self.stats.prefills[:-_KEEP_STEPS]   # bounded memory
         return [r.finalize(params, self.tokenizer) if r.out.error is None else r.out for r in rows]
 
     def _resolve_policy(self, gamma) -> GammaPolicy:
@@ -81,9 +113,9 @@ class Engine:
                 raise ValueError(f"gamma must be >= 0, got {gamma}")
             if gamma > 0 and not self.heads:
                 raise ValueError(f"gamma={gamma} needs MTP heads; {self.model.path} has none (use gamma=0)")
-        if gamma == "auto" and self.policy is not None:
-            return self.policy
-        return make_policy(gamma, num_heads=len(self.heads), gamma_max=self.gamma_max)
+        if gamma == "auto" and self.heads and self.gamma_max > 0:
+            return self.auto_policy(prior=self.stats)
+        return make_policy(gamma)
 
     def _make_row(self, index: int, prompt, params: SamplingParams) -> Row:
         out = RequestOutput()
@@ -138,7 +170,7 @@ class _Run:
         self.slots = Slots(batch, engine.device, self.drafter, self.cache)
         self.queue = deque(rows)
         self.eos = frozenset(cfg.eos_token_ids)
-        self.stats = engine.stats
+        self.stats = engine.last_stats
 
     def run(self) -> None:
         while self.queue or self.slots.n:

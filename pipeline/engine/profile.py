@@ -1,0 +1,74 @@
+"""A short cost profile of the accelerator: timed verify and draft forwards at several batch
+shapes, recorded as StepRecords so the cost model fits them like real steps."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipeline.model.cache import Batch, KVCache
+from pipeline.spec.stats import StepRecord
+
+
+def _rows_grid(max_rows: int) -> list[int]:
+    grid, r = [], 1
+    while r < max_rows:
+        grid.append(r)
+        r *= 4
+    return grid + [max_rows]
+
+
+@torch.inference_mode()
+def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128, reps: int = 2) -> list[StepRecord]:
+    """Time target forwards of rows x (gamma + 1) tokens, and one-token head steps, at a few
+    batch sizes and two context lengths. Takes well under a second for small models on a CPU."""
+    cfg, dev, dt = engine.config, engine.device, engine.dtype
+    contexts = sorted({max(1, context_len // 2), context_len * 2})
+    capacity = max(contexts) + gamma_max + 2
+    cache = KVCache(cfg.num_layers, max_rows, capacity, cfg.num_kv_heads, cfg.head_dim, dt, dev)
+    head_cache = (KVCache(1, max_rows, capacity, cfg.num_kv_heads, cfg.head_dim, dt, dev) if engine.heads else None)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    records = []
+
+    def timed(fn) -> float:
+        fn()                                   # warm-up (allocator, kernels)
+        sync(dev)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    for ctx in contexts:
+        for rows in _rows_grid(max_rows):
+            for gamma in range(gamma_max + 1):
+                q = gamma + 1
+                tokens = torch.randint(0, cfg.vocab_size, (rows, q), generator=gen).to(dev)
+                positions = (torch.full((rows, 1), ctx) + torch.arange(q)).to(dev)
+
+                def verify():
+                    logits = engine.target.logits(engine.target(tokens, Batch.make(positions), cache))
+                    return logits.argmax(-1)
+
+                v = timed(verify)
+                d = 0.0
+                if gamma and engine.heads:
+                    head = engine.heads[0]
+                    hidden = torch.zeros(rows, q, cfg.hidden_size, dtype=dt, device=dev)
+                    one = positions[:, :1]
+
+                    def draft():
+                        head(hidden, tokens, Batch.make(positions), head_cache, 0)      # the fill
+                        for _ in range(gamma - 1):
+                            head.logits(head(hidden[:, :1], tokens[:, :1], Batch.make(one), head_cache, 0)).argmax(-1)
+
+                    d = timed(draft)
+                records.append(StepRecord(gamma, rows, q, float(ctx), ctx, v, d, 0))
+    return records
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,100 @@
+"""The gamma policy and cost model, from constructed costs and acceptances."""
+import random
+
+import pytest
+import torch
+
+from pipeline.spec.cost import CostModel, fit_cost_model
+from pipeline.spec.policy import (GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
+                                  expected_tokens)
+from pipeline.spec.stats import SpecStats, StepRecord
+
+GMAX = 5
+
+
+def model(a=0.0, b=0.0, h=0.0, knee=0.0, c=0.0, draft=(0.0, 0.0, 0.0, 0.0)) -> CostModel:
+    return CostModel((a, b, h, c), knee, draft, 0)
+
+
+# memory-bound until 256 tokens per forward, then compute-bound (an accelerator's roofline)
+ROOFLINE = model(a=10e-3, b=1e-6, h=50e-6, knee=256, draft=(0.2e-3, 1e-6, 0.3e-3, 1e-6))
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.8, 0.5], 2) == pytest.approx(2.2)
+    assert expected_tokens([0.8, 0.5], 0) == 1.0
+
+
+def test_high_acceptance_and_idle_compute_gives_large_gamma():
+    d = choose_gamma(ROOFLINE, [0.9] * GMAX, rows=1, ctx=100, gamma_max=GMAX)
+    assert d.gamma == GMAX
+
+
+def test_low_acceptance_gives_zero():
+    cost = model(a=10e-3, b=0.5e-3, draft=(1e-3, 1e-5, 1e-3, 1e-5))
+    assert choose_gamma(cost, [0.05] * GMAX, rows=4, ctx=100, gamma_max=GMAX).gamma == 0
+
+
+def test_compute_bound_cost_gives_zero():
+    # every token costs the same: gamma + 1 tokens cost gamma + 1 times one, and drafts cost extra
+    cost = model(b=1e-4, draft=(1e-4, 1e-6, 1e-4, 1e-6))
+    assert choose_gamma(cost, [0.8] * GMAX, rows=64, ctx=100, gamma_max=GMAX).gamma == 0
+    assert choose_gamma(ROOFLINE, [0.6] * GMAX, rows=512, ctx=100, gamma_max=GMAX).gamma == 0
+
+
+@pytest.mark.parametrize("acc", [0.3, 0.6, 0.9])
+def test_shrinking_batch_never_lowers_gamma(acc):
+    gammas = [choose_gamma(ROOFLINE, [acc] * GMAX, rows=r, ctx=200, gamma_max=GMAX).gamma for r in range(256, 0, -1)]
+    assert all(later >= earlier for earlier, later in zip(gammas, gammas[1:])), gammas
+    assert gammas[0] < gammas[-1]       # the sweep does cross from small to large gamma
+
+
+def test_choice_is_argmax_of_stated_goodput():
+    acc = [0.8, 0.7, 0.6, 0.5, 0.4]
+    d = choose_gamma(ROOFLINE, acc, rows=48, ctx=300, gamma_max=GMAX)
+    assert d.candidates == list(range(GMAX + 1))
+    for g, gp in zip(d.candidates, d.predicted_goodput):
+        assert gp == pytest.approx(48 * expected_tokens(acc, g) / ROOFLINE.step_s(48, g, 300))
+    assert d.predicted_goodput[d.gamma] == max(d.predicted_goodput)
+    assert f"gamma={d.gamma}" in d.reason or "no gamma" in d.reason
+
+
+def test_fit_recovers_a_hinge_cost():
+    truth = model(a=5e-3, b=2e-6, h=40e-6, knee=128, c=1e-9, draft=(1e-3, 2e-6, 5e-4, 3e-6))
+    rng = random.Random(0)
+    steps = []
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        for gamma in range(GMAX + 1):
+            for ctx in (64, 512):
+                noise = 1 + rng.uniform(-0.02, 0.02)
+                steps.append(StepRecord(gamma, rows, gamma + 1, ctx, ctx, truth.verify_s(rows, gamma + 1, ctx) * noise,
+                                        truth.draft_s(rows, gamma) * noise, 0))
+    fit = fit_cost_model(steps)
+    for rows in (1, 8, 48):
+        for gamma in range(GMAX + 1):
+            assert fit.step_s(rows, gamma, 300) == pytest.approx(truth.step_s(rows, gamma, 300), rel=0.08)
+
+
+def test_fit_needs_several_shapes():
+    assert fit_cost_model([StepRecord(0, 1, 1, 10, 10, 1e-3, 0, 1)]) is None
+
+
+def test_estimate_acceptance_prior_and_chaining():
+    est = estimate_acceptance([100, 80], [80, 40], depth=3, prior_mean=0.5, prior_weight=4)
+    assert est[0] == pytest.approx((80 + 2) / 104)
+    assert est[1] == pytest.approx((40 + 4 * est[0]) / 84)
+    assert est[2] == pytest.approx(est[1])          # unobserved depth: the previous depth's estimate
+
+
+def test_policy_calibrates_unseen_task_then_decides():
+    policy = GoodputPolicy(GMAX, lambda: ROOFLINE, calibration_rows=16)
+    stats = SpecStats()
+    assert policy.choose(StepContext(rows=8, context_len=50, stats=stats)) == GMAX
+    assert "calibrating" in policy.decisions[-1].reason
+    stats.observe_acceptance(GMAX, torch.tensor([5] * 8 + [4] * 8))       # 16 rows, high acceptance
+    assert policy.choose(StepContext(rows=1, context_len=50, stats=stats)) == GMAX
+    assert policy.decisions[-1].predicted_goodput                            # a real decision now
+    low = SpecStats()
+    low.observe_acceptance(GMAX, torch.zeros(200, dtype=torch.long))
+    seeded = GoodputPolicy(GMAX, lambda: model(a=1e-3, b=1e-3), prior=low, calibration_rows=16)
+    assert seeded.choose(StepContext(rows=32, context_len=50, stats=SpecStats())) == 0   # prior: no calibration
