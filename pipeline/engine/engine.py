@@ -53,7 +53,7 @@ class Engine:
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
                         gamma_max: int = 5) -> "Engine":
         dev = resolve_device(device)
-        loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev))
+        loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev), fuse=True)
         tokenizer = None
         try:
             from transformers import AutoTokenizer

@@ -20,10 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalise in float32, scale in the input dtype (as transformers' Llama does)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,15 +49,41 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache: KVCache | None, layer: int) -> torch.Tensor:
+    def fuse_(self) -> None:
+        """Inference only: one q|k|v projection instead of three (fewer kernel launches)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+        fused = fused.to(device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: torch.Tensor, batch: Batch):
+        """q [n, heads, q, d], k and v [n, kv_heads, q, d], RoPE applied to q and k."""
         n, q, _ = x.shape                                                   # x: [n, q, hidden]
-        qs = self.q_proj(x).view(n, q, self.num_heads, self.head_dim)
-        ks = self.k_proj(x).view(n, q, self.num_kv_heads, self.head_dim)
-        vs = self.v_proj(x).view(n, q, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if hasattr(self, "qkv_proj"):
+            qkv = self.qkv_proj(x).view(n, q, hq + 2 * hk, d)
+            if not hasattr(self, "q_norm"):                  # one RoPE call for q and k together
+                qk = apply_rope(qkv[:, :, :hq + hk].transpose(1, 2), batch.cos, batch.sin)
+                return qk[:, :hq], qk[:, hq:], qkv[:, :, hq + hk:].transpose(1, 2)
+            qs, ks, vs = qkv.split([hq, hk, hk], dim=2)
+        else:
+            qs = self.q_proj(x).view(n, q, hq, d)
+            ks = self.k_proj(x).view(n, q, hk, d)
+            vs = self.v_proj(x).view(n, q, hk, d)
         if hasattr(self, "q_norm"):
             qs, ks = self.q_norm(qs), self.k_norm(ks)
-        qs = apply_rope(qs.transpose(1, 2), batch.cos, batch.sin)            # [n, heads, q, d]
-        ks = apply_rope(ks.transpose(1, 2), batch.cos, batch.sin)            # [n, kv_heads, q, d]
+        qs = apply_rope(qs.transpose(1, 2), batch.cos, batch.sin)
+        ks = apply_rope(ks.transpose(1, 2), batch.cos, batch.sin)
+        return qs, ks, vs.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, batch: Batch, cache: KVCache | None, layer: int) -> torch.Tensor:
+        n, q, _ = x.shape
+        qs, ks, vs = self._project(x, batch)
         if cache is None:                      # full-sequence forward: attend over the fresh keys
             keys, values = ks, vs
         else:
@@ -77,7 +101,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    def fuse_(self) -> None:
+        """Inference only: one gate|up projection instead of two."""
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=g.bias is not None)
+        fused = fused.to(device=g.weight.device, dtype=g.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([g.weight, u.weight]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([g.bias, u.bias]))
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -94,3 +133,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     forward = block
+
+    def fuse_(self) -> None:
+        self.self_attn.fuse_()
+        self.mlp.fuse_()

@@ -67,7 +67,9 @@ def split_mtp(tensors: dict[str, torch.Tensor], num_layers: int):
     return target, [heads[k] for k in sorted(heads)]
 
 
-def load_model(path, device="cpu", dtype=torch.float32) -> LoadedModel:
+def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False) -> LoadedModel:
+    """fuse: merge q|k|v and gate|up projections for inference (the modules then no longer
+    carry checkpoint names; keep False to train or save)."""
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"model.path {root} is not a checkpoint directory (no config.json there)")
@@ -97,6 +99,9 @@ def load_model(path, device="cpu", dtype=torch.float32) -> LoadedModel:
         head.load_state_dict(sd, strict=True, assign=True)
         heads.append(head.to(device=dev, dtype=dt).eval().bind(target))
     cfg = _with_mtp_count(cfg, len(heads))
+    if fuse:
+        for layer in [*target.model.layers, *heads]:
+            layer.fuse_()
     return LoadedModel(target, heads, cfg, hf_config, root)
 
 
