@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
-STAGES = ("data", "tokenizer", "base", "mtp", "eval")
+STAGES = ("data", "tokenizer", "base", "sft", "mtp", "eval")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class BuildSpec:
     seed: int = 0
     threads: int = 2
     base: dict = field(default_factory=dict)       # BaseTrainSpec overrides
+    sft: dict = field(default_factory=dict)        # SFT_SPEC overrides (task fine-tuning)
     model: dict = field(default_factory=dict)      # BaseModelSpec overrides
     mtp: dict = field(default_factory=dict)        # MTPTrainSpec overrides
     eval: dict = field(default_factory=dict)       # evaluate_acceptance keyword overrides
@@ -37,10 +38,11 @@ class BuildSpec:
 def build(spec: BuildSpec, log=print) -> dict:
     import torch
 
-    from pipeline.demo.corpus import demo_rows, tokenized_examples, tokenizer_texts, write_demo_parquet
+    from pipeline.demo.corpus import demo_rows, tokenizer_texts, write_demo_parquet
     from pipeline.demo.extract import extract_functions
     from pipeline.demo.tokenizer import train_tokenizer
-    from pipeline.demo.train_base import BaseModelSpec, BaseTrainSpec, train_base_model
+    from pipeline.demo.train_base import (SFT_SPEC, BaseModelSpec, BaseTrainSpec, sft_examples,
+                                          train_base_model)
 
     torch.set_num_threads(spec.threads)
     work = Path(spec.work_dir)
@@ -62,23 +64,29 @@ def build(spec: BuildSpec, log=print) -> dict:
         tokenizer_texts_ = tokenizer_texts(records)
         train_tokenizer(tokenizer_texts_, model_spec.vocab_size).save_pretrained(str(tok_dir))
         times["tokenizer"] = time.time() - t
-    base_dir = work / "base_model"
+    base_dir, sft_dir = work / "base_model", work / "sft_model"
     if "base" in spec.stages and not (base_dir / "config.json").exists():
-        from transformers import AutoTokenizer
         t = time.time()
-        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
         train_spec = BaseTrainSpec(**{"seed": spec.seed, **spec.base})
-        examples = tokenized_examples(records, tokenizer, train_spec.block_len)
+        tokenizer, examples = _examples(tok_dir, records, train_spec.block_len)
         log(f"{len(examples)} training examples, {sum(len(e.ids) for e in examples)} tokens")
         train_base_model(examples, tokenizer, base_dir, work, model_spec, train_spec, log=log)
         times["base"] = time.time() - t
+    if "sft" in spec.stages and not (sft_dir / "config.json").exists():
+        t = time.time()
+        sft_spec = replace(SFT_SPEC, **{"seed": spec.seed, **spec.sft})
+        tokenizer, examples = _examples(tok_dir, records, sft_spec.block_len)
+        train_base_model(sft_examples(examples), tokenizer, sft_dir, work, model_spec, sft_spec,
+                         log=log, init_dir=base_dir, name="sft")
+        times["sft"] = time.time() - t
+    trained_dir = sft_dir if (sft_dir / "config.json").exists() else base_dir
     if "mtp" in spec.stages:
         from pipeline.demo.train_mtp import MTPTrainSpec, stdlib_prompts, train_mtp_into
         t = time.time()
         model_dir = Path(spec.model_dir)
         if model_dir.exists():
             shutil.rmtree(model_dir)
-        shutil.copytree(base_dir, model_dir)
+        shutil.copytree(trained_dir, model_dir)
         mtp_spec = MTPTrainSpec(**{"seed": spec.seed, **spec.mtp})
         train_p, eval_p = stdlib_prompts(records, mtp_spec)
         result["mtp"] = train_mtp_into(model_dir, train_p, eval_p, mtp_spec, work / "mtp", log=log)
@@ -93,6 +101,14 @@ def build(spec: BuildSpec, log=print) -> dict:
     (work / "build_result.json").write_text(json.dumps(result, indent=2, default=str))
     log(json.dumps(result, indent=2, default=str))
     return result
+
+
+def _examples(tok_dir: Path, records, block_len: int):
+    from transformers import AutoTokenizer
+
+    from pipeline.demo.corpus import tokenized_examples
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    return tokenizer, tokenized_examples(records, tokenizer, block_len)
 
 
 def spec_from_mapping(m: dict) -> BuildSpec:
@@ -125,11 +141,13 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--base-steps", type=int, default=None)
+    ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--mtp-steps", type=int, default=None)
     a = ap.parse_args(argv)
     spec = spec_from_mapping({"work_dir": a.work_dir, "stages": a.stages.split(","),
                               "threads": a.threads,
                               "base": {"steps": a.base_steps} if a.base_steps else {},
+                              "sft": {"steps": a.sft_steps} if a.sft_steps else {},
                               "mtp": {"steps": a.mtp_steps} if a.mtp_steps else {}})
     build(spec)
     return 0

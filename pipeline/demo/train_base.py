@@ -40,10 +40,23 @@ class BaseTrainSpec:
     warmup: int = 50
     weight_decay: float = 0.1
     answer_weight: float = 2.0     # loss weight of answer tokens in task examples
+    prompt_weight: float = 1.0     # loss weight of prompt tokens in task examples
     summary_repeat: int = 2        # summarize examples appear this many times per epoch
     save_every: int = 50
     seed: int = 0
     bf16: bool = True              # bfloat16 autocast (fast on CPUs with avx512_bf16 / on CUDA)
+
+
+# Task fine-tuning after the base phase: task examples (answers weighted, prompts down) plus a
+# third of the raw sources, a short decaying schedule from a lower peak.
+SFT_SPEC = BaseTrainSpec(steps=120, lr=1e-3, warmup=10, min_lr_ratio=0.05, answer_weight=1.0,
+                         prompt_weight=0.25, summary_repeat=2)
+
+
+def sft_examples(examples: list[Example]) -> list[Example]:
+    """The fine-tuning mix: every task example and every third raw example (stable)."""
+    raw = [e for e in examples if e.task == "raw"]
+    return [e for e in examples if e.task != "raw"] + raw[::3]
 
 
 def llama_config(spec: BaseModelSpec):
@@ -80,7 +93,8 @@ def pack_blocks(examples: list[Example], block_len: int, rng: random.Random) -> 
     return blocks
 
 
-def block_tensors(examples: list[Example], block, block_len: int, answer_weight: float):
+def block_tensors(examples: list[Example], block, block_len: int, answer_weight: float,
+                  prompt_weight: float = 1.0):
     """ids [block_len], targets [block_len], weights [block_len] for one packed block.
     weights[t] is the loss weight for predicting targets[t] = ids[t + 1]; 0 on padding and
     across example boundaries, answer_weight on answers of task examples."""
@@ -92,6 +106,7 @@ def block_tensors(examples: list[Example], block, block_len: int, answer_weight:
         ids[off: off + n] = torch.tensor(ex.ids)
         ew = torch.ones(n)
         if ex.answer_start > 1:
+            ew[: ex.answer_start] = prompt_weight
             ew[ex.answer_start:] = answer_weight
         ew[0] = 0.0                      # bos is never a target
         w[off: off + n] = ew
@@ -128,7 +143,7 @@ class BatchStream:
         if epoch != self._epoch:
             self._epoch = epoch
             self._blocks = pack_blocks(self.examples, s.block_len, random.Random(s.seed + epoch))
-        rows = [block_tensors(self.examples, b, s.block_len, s.answer_weight)
+        rows = [block_tensors(self.examples, b, s.block_len, s.answer_weight, s.prompt_weight)
                 for b in self._blocks[k * s.batch_size:(k + 1) * s.batch_size]]
         return tuple(torch.stack(x) for x in zip(*rows)), epoch
 
@@ -139,29 +154,34 @@ def _is_summary(e: Example) -> bool:
 
 def train_base_model(examples: list[Example], tokenizer, out_dir: Path, work_dir: Path,
                      model_spec: BaseModelSpec = BaseModelSpec(),
-                     spec: BaseTrainSpec = BaseTrainSpec(), log=print) -> Path:
-    """Train (or resume) and save a LlamaForCausalLM + tokenizer to out_dir."""
+                     spec: BaseTrainSpec = BaseTrainSpec(), log=print, init_dir: Path | None = None,
+                     name: str = "base") -> Path:
+    """Train (or resume) and save a LlamaForCausalLM + tokenizer to out_dir. With init_dir, start
+    from that checkpoint instead of a fresh model (the task fine-tuning phase)."""
     from tqdm import tqdm
     from transformers import GenerationConfig, LlamaForCausalLM
 
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(llama_config(model_spec))
+    if init_dir is not None:
+        model = LlamaForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(llama_config(model_spec))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
     work_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path, start = work_dir / "base_train.pt", 0
+    ckpt_path, start = work_dir / f"{name}_train.pt", 0
     if ckpt_path.exists():
         state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"])
-        log(f"resuming base training at step {start}/{spec.steps}")
+        log(f"resuming {name} training at step {start}/{spec.steps}")
     stream = BatchStream(examples, spec)
     model.train()
-    bar = tqdm(range(start, spec.steps), initial=start, total=spec.steps, desc="base model",
+    bar = tqdm(range(start, spec.steps), initial=start, total=spec.steps, desc=f"{name} model",
                dynamic_ncols=True, mininterval=5.0)
     t0, ema = time.time(), None
     for step in bar:
@@ -181,7 +201,7 @@ def train_base_model(examples: list[Example], tokenizer, out_dir: Path, work_dir
             tmp = ckpt_path.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
             tmp.replace(ckpt_path)
-    log(f"base training: {spec.steps - start} steps in {time.time() - t0:.0f}s, loss {ema}")
+    log(f"{name} training: {spec.steps - start} steps in {time.time() - t0:.0f}s, loss {ema}")
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(bos_token_id=model.config.bos_token_id,
