@@ -162,11 +162,11 @@ class CrashingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, params, gamma="auto"):
+    def generate(self, prompts, params, gamma="auto", **kwargs):
         if any("CRASH" in p for p in prompts) and (self.always or not self.marker.exists()):
             self.marker.touch()
             os._exit(1)
-        return self.engine.generate(prompts, params, gamma=gamma)
+        return self.engine.generate(prompts, params, gamma=gamma, **kwargs)
 
 
 def crashing_loader(marker, always):

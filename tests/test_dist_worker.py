@@ -9,7 +9,7 @@ import pytest
 from pipeline.config import OUTPUT_COLUMNS, DataConfig, SamplingConfig
 from pipeline.data import open_source, plan_shards
 from pipeline.dist.utilization import UtilizationMeter, cpu_share
-from pipeline.dist.worker import ShardTask, failed_shard_result, gamma_in_use, process_shard
+from pipeline.dist.worker import ShardTask, failed_shard_result, gamma_in_use, process_shard, row_key
 
 pytest.importorskip("pipeline.engine", reason="engine package")
 
@@ -45,14 +45,11 @@ class EchoEngine:
 
     def __init__(self):
         self.calls = []
-        self.stats = FakeStats()
+        self.last_stats = FakeStats()
 
-    def reset_stats(self):
-        self.stats = FakeStats()
-
-    def generate(self, prompts, params, gamma="auto"):
-        self.calls.append((list(prompts), params, gamma))
-        self.stats.steps.append(Step(gamma if gamma != "auto" else 2))
+    def generate(self, prompts, params, gamma="auto", row_keys=None):
+        self.calls.append((list(prompts), params, gamma, list(row_keys)))
+        self.last_stats = FakeStats([Step(gamma if gamma != "auto" else 2)])
         return [Out(text=p.upper(), token_ids=list(range(len(p) % 5 + 1)),
                     num_prompt_tokens=len(p), num_drafted_tokens=4, num_accepted_tokens=2)
                 for p in prompts]
@@ -93,12 +90,18 @@ def test_shard_rows_come_back_in_order_with_errors_kept(task_factory):
     assert first["acceptance_by_depth"] == [0.5, None]
     assert first["gamma_candidates"] == [] and first["predicted_goodput"] == []
 
-def test_task_groups_get_distinct_seeds(task_factory):
+def test_rows_get_stable_distinct_random_keys(task_factory):
+    """Sampling randomness is keyed by row id, so it does not depend on the shard layout."""
     engine = EchoEngine()
     process_shard(engine, task_factory(), {})
     process_shard(engine, task_factory(shard_index=1), {})
-    seeds = [c[1].seed for c in engine.calls]
-    assert len(set(seeds)) == len(seeds)
+    keys = [k for c in engine.calls for k in c[3]]
+    assert len(set(keys)) == len(keys) == 11                     # 12 rows, one without text
+    assert {c[1].seed for c in engine.calls} == {0}
+    wide = EchoEngine()
+    process_shard(wide, task_factory(rows_per_shard=12), {})
+    assert sorted(k for c in wide.calls for k in c[3]) == sorted(keys)
+    assert row_key(7) == 7 and row_key("u1") == row_key("u1") != row_key("u2")
 
 def test_failed_shard_keeps_every_row(task_factory):
     result = failed_shard_result(task_factory(shard_index=1), "actor died")
@@ -108,9 +111,10 @@ def test_failed_shard_keeps_every_row(task_factory):
 
 def test_gamma_in_use_and_cpu_share():
     stats = FakeStats(steps=[Step(1), Step(4), Step(4)])
-    assert gamma_in_use(stats, "auto")[0] == 4
-    assert gamma_in_use(FakeStats(), "auto")[0] is None
-    assert gamma_in_use(stats, 0) == (0, "fixed by config (spec.gamma=0)")
+    assert gamma_in_use(stats, "auto")["gamma"] == 4
+    assert gamma_in_use(FakeStats(), "auto")["gamma"] is None
+    assert gamma_in_use(stats, 0) == {"gamma": 0, "gamma_reason": "fixed by config (spec.gamma=0)",
+                                      "gamma_candidates": [], "predicted_goodput": []}
     assert cpu_share(1.0, 2.0, 1) == 0.5
     assert cpu_share(1.0, 0.0, 1) is None
 
@@ -124,3 +128,49 @@ def test_utilization_meter_on_cpu_sees_a_busy_loop():
     with UtilizationMeter("cuda:0") as meter:   # no GPU or no NVML here: None, not a crash
         pass
     assert meter.value is None or 0.0 <= meter.value <= 1.0
+
+
+def test_auto_gamma_fields_come_from_the_policy_decisions():
+    from pipeline.spec.policy import Decision
+
+    class Policy:
+        decisions = [Decision(5, "calibrating acceptance (0/64 row-steps)", [], [], []),
+                     Decision(3, "rows=8: gamma=3 predicts 900 tok/s", [0, 1, 2, 3], [300.0, 600.0, 800.0, 900.0], [0.8]),
+                     Decision(3, "rows=8: gamma=3 predicts 910 tok/s", [0, 1, 2, 3], [301.0, 601.0, 801.0, 910.0], [0.8]),
+                     Decision(4, "rows=1: gamma=4 predicts 200 tok/s", [0, 1, 2, 3, 4], [50.0, 90, 130, 170, 200], [0.8])]
+
+    stats = FakeStats(steps=[Step(5), Step(3), Step(3), Step(4)])
+    fields = gamma_in_use(stats, "auto", Policy())
+    assert fields["gamma"] == 3
+    assert fields["gamma_candidates"] == [0, 1, 2, 3]
+    assert fields["predicted_goodput"] == [300.0, 600.0, 800.0, 900.0]
+    assert "gamma=3 predicts 900" in fields["gamma_reason"]
+    assert "1 calibration steps" in fields["gamma_reason"] and "3:2" in fields["gamma_reason"]
+
+
+def test_auto_gamma_on_a_real_engine_calibrates_once_per_task(tmp_path):
+    """Through process_shard with the real engine: the first shard of a task calibrates, its
+    acceptance becomes the prior, and the next shard of that task decides from the start."""
+    from pipeline.engine import Engine
+    from tests.tiny_models import tiny_checkpoint
+
+    path = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=8)
+    rows = {"text": [f"the quick brown fox {i}" for i in range(48)]}
+    pq.write_table(pa.table(rows), tmp_path / "d.parquet")
+    source = open_source(str(tmp_path / "d.parquet"))
+    data = DataConfig(path=str(tmp_path / "d.parquet"), prompt_column="text")
+    shards = plan_shards(source, 24)
+    priors = {}
+    stats = []
+    for shard in shards:
+        task = ShardTask(shard, 1, source.files, source.file_rows, data, (),
+                         SamplingConfig(max_new_tokens=24), "auto", gamma_max=4)
+        stats.append(process_shard(engine, task, {"device": "cpu"}, priors).stats_rows[0])
+    first, second = stats
+    assert "calibration steps" in first["gamma_reason"]
+    assert "calibration steps" not in second["gamma_reason"]
+    assert second["gamma_candidates"] == [0, 1, 2, 3, 4] and len(second["predicted_goodput"]) == 5
+    goodput = second["predicted_goodput"]
+    assert goodput.index(max(goodput)) == second["gamma"]
+    assert priors["default"].reached[0] > 0

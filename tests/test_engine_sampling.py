@@ -86,3 +86,7 @@ def test_seed_reproduces_outputs_independently_of_batching(setup):
     d = [o.token_ids for o in wide.generate(prompts, SamplingParams(**{**params.__dict__, "seed": 6}), gamma=3)]
     assert a == b == c
     assert a != d
+    # a row's tokens follow its key, not its position in the call
+    keys = list(range(len(prompts)))[::-1]
+    e = [o.token_ids for o in wide.generate(prompts[::-1], params, gamma=3, row_keys=keys)]
+    assert e[::-1] == a

@@ -47,6 +47,7 @@ class ShardWorker:
         device = getattr(self.engine, "device", None)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.priors: dict = {}        # task -> acceptance counters from this actor's earlier shards
         self.info = {"actor_id": ctx.get_actor_id(), "node_id": ctx.get_node_id(),
                      "device": str(device), "threads": torch.get_num_threads()}
 
@@ -54,7 +55,7 @@ class ShardWorker:
         return self.info
 
     def run(self, task: ShardTask) -> ShardResult:
-        return process_shard(self.engine, task, self.info)
+        return process_shard(self.engine, task, self.info, self.priors)
 
 
 def actor_options(use_gpus: bool, gpus_per_actor: float, cpus_per_actor: int) -> dict:

@@ -133,7 +133,7 @@ def _task(cfg: RunConfig, record: RunRecord, shard, attempt: int) -> ShardTask:
     return ShardTask(shard=shard, attempt=attempt, files=record.source.files,
                      file_rows=record.source.file_rows, data=cfg.data,
                      keep_columns=cfg.output.keep_columns, sampling=cfg.sampling,
-                     gamma=cfg.spec.gamma)
+                     gamma=cfg.spec.gamma, gamma_max=cfg.spec.gamma_max)
 
 
 def _commit(record: RunRecord, bar: Progress, shard, attempt: int, result: ShardResult) -> None:

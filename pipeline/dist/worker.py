@@ -7,6 +7,7 @@ gets an output row with `error` set and is not sent to the engine.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class ShardTask:
     keep_columns: tuple[str, ...]
     sampling: SamplingConfig
     gamma: int | str                  # spec.gamma: 'auto' or an int >= 0
+    gamma_max: int = 5                # spec.gamma_max: caps 'auto'
 
 
 @dataclass
@@ -40,10 +42,13 @@ class ShardResult:
     stats_rows: list[dict] = field(default_factory=list)   # one per task in the shard
 
 
-def shard_seed(seed: int, shard: Shard, group: int) -> int:
-    """A seed per (shard, task group) from sampling.seed and the shard's stable position, so
-    shards do not share random streams and a rerun of a shard draws the same ones."""
-    return (seed * 1_000_003 + shard.start * 31 + group) % (2**31 - 1)
+def row_key(row_id) -> int:
+    """A stable int64 random-stream key for a row id: the engine draws a row's randomness from
+    (sampling.seed, key, position), so sampled text does not depend on shard layout or retries."""
+    if isinstance(row_id, int) and -(2**63) <= row_id < 2**63:
+        return row_id
+    digest = hashlib.blake2b(repr(row_id).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def group_by_task(tasks: Sequence[str]) -> dict[str, list[int]]:
@@ -64,16 +69,30 @@ def output_result(out: Any) -> dict:
     }
 
 
-def gamma_in_use(engine_stats: Any, gamma: int | str) -> tuple[int | None, str]:
-    """(gamma, reason) for the stats row. A fixed gamma is the config's; for 'auto' the most
-    used gamma of the engine's recorded steps, when the steps say which."""
+def gamma_in_use(engine_stats: Any, gamma: int | str, policy: Any = None) -> dict:
+    """The stats row's gamma fields. A fixed gamma is the config's. For 'auto': the gamma used
+    most often, the policy's reasoning for it, and the candidates with their predicted goodput
+    from its first measured decision (calibration steps are counted, not shown)."""
     if gamma != "auto":
-        return int(gamma), f"fixed by config (spec.gamma={gamma})"
+        return {"gamma": int(gamma), "gamma_reason": f"fixed by config (spec.gamma={gamma})",
+                "gamma_candidates": [], "predicted_goodput": []}
     used = Counter(getattr(s, "gamma", None) for s in getattr(engine_stats, "steps", []) or [])
     used.pop(None, None)
-    if used:
-        return used.most_common(1)[0][0], "auto: chosen inside the engine (driver policy pending)"
-    return None, "auto: chosen inside the engine; gamma not reported"
+    chosen = used.most_common(1)[0][0] if used else None
+    decisions = list(getattr(policy, "decisions", []) or [])
+    decided = [d for d in decisions if d.predicted_goodput]
+    if not decided:
+        reason = getattr(policy, "reason", None) or (decisions[-1].reason if decisions else "no steps")
+        return {"gamma": chosen, "gamma_reason": f"auto: {reason}", "gamma_candidates": [], "predicted_goodput": []}
+    rep = next((d for d in decided if d.gamma == chosen), decided[0])
+    notes = [f"auto: {rep.reason}"]
+    calibrating = len(decisions) - len(decided)
+    if calibrating:
+        notes.append(f"{calibrating} calibration steps at gamma_max")
+    if len(used) > 1:
+        notes.append("steps per gamma " + ", ".join(f"{g}:{n}" for g, n in sorted(used.items())))
+    return {"gamma": chosen, "gamma_reason": "; ".join(notes), "gamma_candidates": rep.candidates,
+            "predicted_goodput": [round(x, 1) for x in rep.predicted_goodput]}
 
 
 def _finite(x: float) -> float | None:
@@ -82,45 +101,57 @@ def _finite(x: float) -> float | None:
     return None if x != x else x
 
 
-def generate_group(engine: Any, prompts: list[str], sampling: SamplingConfig, seed: int,
-                   gamma: int | str, info: dict) -> tuple[list[dict], dict]:
-    """One generate call; per-row results and the measured part of the stats row."""
+def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: SamplingConfig,
+                   gamma: int | str, info: dict, prior: Any = None) -> tuple[list[dict], dict, Any]:
+    """One generate call; per-row results, the measured part of the stats row, and the call's
+    acceptance counters (the prior for this task's next shard on this actor).
+
+    With gamma 'auto' the engine's measured policy chooses every step, seeded with `prior`;
+    a task this actor has not seen starts with a calibration window at gamma_max."""
     from pipeline.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                            top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
+                            top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                             stop=tuple(sampling.stop))
-    engine.reset_stats()
+    policy = gamma
+    if gamma == "auto" and getattr(engine, "num_mtp_heads", 0) and hasattr(engine, "auto_policy"):
+        policy = engine.auto_policy(prior=prior)
     wall0 = time.perf_counter()
     with UtilizationMeter(info.get("device", "cpu"), int(info.get("threads", 1))) as meter:
-        outs = engine.generate(prompts, params, gamma=gamma)
+        outs = engine.generate(prompts, params, gamma=policy, row_keys=keys)
     wall = time.perf_counter() - wall0
     results = [output_result(o) for o in outs]
-    stats = engine.stats
+    stats = engine.last_stats
     generated = sum(r["num_generated_tokens"] for r in results)
-    chosen, reason = gamma_in_use(stats, gamma)
     measured = {
-        "gamma": chosen, "gamma_reason": reason,
-        "gamma_candidates": [], "predicted_goodput": [],     # filled by the gamma policy
+        **gamma_in_use(stats, gamma, getattr(engine, "last_policy", None)),
         "acceptance_by_depth": [_finite(a) for a in stats.acceptance_by_depth()],
         "mean_acceptance_length": _finite(stats.mean_acceptance_length()),
         "tokens_per_s": generated / wall if wall > 0 else None,
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),
         "utilization": meter.value, "num_generated_tokens": generated,
     }
-    return results, measured
+    counts = stats.counts() if hasattr(stats, "counts") else None
+    return results, measured, counts
 
 
-def process_shard(engine: Any, task: ShardTask, info: dict | None = None) -> ShardResult:
-    """Generate every row of `task.shard`; info carries device, actor_id, node_id, threads."""
+def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
+                  priors: dict | None = None) -> ShardResult:
+    """Generate every row of `task.shard`; info carries device, actor_id, node_id, threads.
+    `priors` (task -> acceptance counters) persists across an actor's shards."""
     info = info or {}
+    priors = {} if priors is None else priors
+    if hasattr(engine, "gamma_max"):
+        engine.gamma_max = task.gamma_max
     columns = needed_columns(task.data, task.keep_columns)
     table = read_shard(task.files, task.file_rows, task.shard, columns,
                        task.data.task_column, task.data.tasks)
     prompts, errors = build_prompts(table, task.data)
     results: list[dict | None] = [None] * table.num_rows
     stats_rows = []
-    for g, (name, rows) in enumerate(group_by_task(row_tasks(table, task.data)).items()):
+    ids = row_ids(table, task.data)
+    id_values = ids.to_pylist()
+    for name, rows in group_by_task(row_tasks(table, task.data)).items():
         for i in rows:
             if errors[i] is not None:
                 results[i] = error_results(1, errors[i])[0]
@@ -128,9 +159,11 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None) -> Sha
         group_start = time.perf_counter()
         measured: dict = {"gamma_reason": "no rows to generate", "num_generated_tokens": 0}
         if good:
-            outs, measured = generate_group(engine, [prompts[i] for i in good], task.sampling,
-                                            shard_seed(task.sampling.seed, task.shard, g),
-                                            task.gamma, info)
+            outs, measured, counts = generate_group(
+                engine, [prompts[i] for i in good], [row_key(id_values[i]) for i in good], task.sampling,
+                task.gamma, info, priors.get(name))
+            if counts is not None:
+                priors[name] = counts if name not in priors else priors[name].merge(counts)
             for i, r in zip(good, outs):
                 results[i] = r
         stats_rows.append(measured | {
@@ -141,7 +174,7 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None) -> Sha
             "node_id": info.get("node_id"),
         })
     keep = table.select(list(task.keep_columns)) if task.keep_columns else None
-    out = output_table(row_ids(table, task.data), prompts, results, keep)
+    out = output_table(ids, prompts, results, keep)
     return ShardResult(out, stats_rows)
 
 

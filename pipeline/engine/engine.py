@@ -91,12 +91,19 @@ class Engine:
 
     # ---- public entry ------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompts, params: SamplingParams | None = None, gamma="auto") -> list[RequestOutput]:
-        """One output per prompt, in order. `gamma`: an int >= 0, "auto", or a GammaPolicy."""
+    def generate(self, prompts, params: SamplingParams | None = None, gamma="auto",
+                 row_keys=None) -> list[RequestOutput]:
+        """One output per prompt, in order. `gamma`: an int >= 0, "auto", or a GammaPolicy.
+        `row_keys`: optional int per prompt keying its random stream (default: its position),
+        so a row samples the same tokens whichever batch, shard or retry it runs in."""
         params = params or SamplingParams()
+        if row_keys is not None and len(row_keys) != len(prompts):
+            raise ValueError(f"row_keys has {len(row_keys)} entries for {len(prompts)} prompts")
         policy = self._resolve_policy(gamma)
         self.last_policy = policy             # its .decisions explain each step's gamma
         rows = [self._make_row(i, p, params) for i, p in enumerate(prompts)]
+        for row, key in zip(rows, row_keys or ()):
+            row.key = int(key)
         live = [r for r in rows if r.out.error is None]
         self.last_stats = SpecStats()
         if live:
@@ -196,7 +203,7 @@ class _Run:
         positions = torch.arange(width, device=dev).expand(len(rows), width)
         hidden = self.e.target(ids, Batch.make(positions, rows=slots, kv_len=width), self.cache)
         idx = torch.arange(len(rows), device=dev)
-        keys = torch.tensor([r.index for r in rows], device=dev)
+        keys = torch.tensor([r.key for r in rows], device=dev)
         first = self._sample_target(self.e.target.logits(hidden[idx, lens - 1]), keys, lens)
         self.slots.place(slot_ids, rows, lens, first)
         if self.slots.drafter is not None:

@@ -8,12 +8,17 @@ from pipeline.engine.params import RequestOutput, SamplingParams
 
 @dataclass
 class Row:
-    index: int                 # position in the caller's prompt list (also its random-stream key)
+    index: int                 # position in the caller's prompt list
     prompt_ids: list[int]
     max_new: int               # max_new_tokens, capped by the model's context
     out: RequestOutput
+    key: int = -1              # random-stream key (defaults to index)
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
+
+    def __post_init__(self):
+        if self.key == -1:
+            self.key = self.index
 
     def emit(self, new_tokens: list[int], params: SamplingParams, eos_ids: frozenset[int], tokenizer) -> None:
         """Append the step's tokens, stopping at EOS, a stop string, or the token budget."""

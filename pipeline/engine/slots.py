@@ -27,7 +27,7 @@ class Slots:
             self.rows[s] = r
         self.lengths[idx] = lengths
         self.last_token[idx] = first
-        self.keys[idx] = torch.tensor([r.index for r in rows], device=idx.device)
+        self.keys[idx] = torch.tensor([r.key for r in rows], device=idx.device)
         self.n = max(self.n, max(slot_ids) + 1)
         if self.drafter is not None:
             self.drafter.reset_rows(idx)

@@ -90,6 +90,11 @@ class SpecStats:
             row_steps=self.row_steps + other.row_steps,
             emitted_tokens=self.emitted_tokens + other.emitted_tokens)
 
+    def counts(self) -> "SpecStats":
+        """The acceptance counters alone (no step records): a compact prior for later shards."""
+        return SpecStats(list(self.reached), list(self.accepted), row_steps=self.row_steps,
+                         emitted_tokens=self.emitted_tokens)
+
     def summary(self) -> dict:
         return dict(acceptance_by_depth=self.acceptance_by_depth(),
                     mean_acceptance_length=self.mean_acceptance_length(),
