@@ -90,3 +90,24 @@ def test_saved_heads_read_back_give_same_drafts(tiny, tmp_path):
         h = again.target.forward_full(ids)
         acc = teacher_forced_acceptance(again.heads, h, again.target.logits(h), ids, gen, 3)
     assert acc == teacher_forced_acceptance(heads, h, loaded.target.logits(h), ids, gen, 3)
+
+
+def test_train_mtp_recipe_writes_heads_into_checkpoint(tmp_path):
+    """`+job=train_mtp` on a checkpoint without heads, prompts from a Parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+
+    from pipeline.demo.train_mtp import main
+    path = make_tiny_checkpoint(tmp_path / "ckpt", num_mtp_layers=0, seed=1)
+    pq.write_table(pa.table({"text": [f"def add{i}(a, b):" for i in range(12)]}), str(tmp_path / "p.parquet"))
+    cfg = OmegaConf.create({
+        "model": {"path": str(path), "device": "cpu"},
+        "data": {"path": str(tmp_path / "p.parquet"), "template": "{text}", "prompt_column": "prompt"},
+        "mtp": {"work_dir": str(tmp_path / "work"), "threads": 1, "prompt_source": "data",
+                "num_heads": 1, "depths": 2, "steps": 3, "batch_size": 4, "num_prompts": 8,
+                "num_eval": 4, "max_new_tokens": 6, "bf16": False}})
+    assert main(cfg) == 0
+    loaded = load_model(path)
+    assert len(loaded.heads) == 1
+    assert (tmp_path / "work" / "sequences.pt").exists() and (tmp_path / "work" / "mtp_train.pt").exists()
