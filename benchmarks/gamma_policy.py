@@ -1,0 +1,106 @@
+"""gamma=auto against every fixed gamma, per demo task, at a small and a large batch.
+
+    python benchmarks/gamma_policy.py                          # demo model and dataset
+    python benchmarks/gamma_policy.py --batches 1 48 --reps 3 --new 64
+
+For each task and batch size B, the same prompts (max(2B, 8) rows of that task, so continuous
+batching keeps about B rows active) are generated greedily, EOS respected, by the engine at
+each fixed gamma and at `auto`. `auto` runs as a steady-state shard does: with the acceptance
+prior of one earlier (warm-up) run of the same task. Runs are interleaved round-robin over
+--reps repetitions and the median is taken; ratios are within this one run. Prints a Markdown
+table and writes JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from pipeline.engine import Engine, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_MODEL = ROOT / "pipeline" / "assets" / "demo" / "model"
+DEMO_DATA = ROOT / "pipeline" / "assets" / "demo" / "data" / "demo.parquet"
+TEMPLATES = {"summarize": "Summarize:\n{text}\nSummary:", "complete": "{text}", "json": "Signature:\n{text}\nJSON:"}
+
+
+def task_prompts(path: Path, task: str, n: int) -> list[str]:
+    table = pq.read_table(path, columns=["task", "text"]).to_pylist()
+    rows = [r["text"] for r in table if r["task"] == task][:n]
+    return [TEMPLATES[task].format(text=t) for t in rows]
+
+
+def timed(engine: Engine, prompts, params, gamma) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, gamma=gamma)
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEMO_MODEL)
+    ap.add_argument("--data", type=Path, default=DEMO_DATA)
+    ap.add_argument("--tasks", nargs="+", default=list(TEMPLATES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 48])
+    ap.add_argument("--gamma-max", type=int, default=5)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gamma_policy.json"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine.from_pretrained(args.model, device=args.device, max_batch_size=max(args.batches),
+                                    gamma_max=args.gamma_max)
+    params = SamplingParams(max_new_tokens=args.new, temperature=0.0)
+    engine.ensure_profile()
+    fixed = list(range(args.gamma_max + 1))
+    cells = {}
+    for task in args.tasks:
+        for b in args.batches:
+            prompts = task_prompts(args.data, task, max(2 * b, 8))
+            engine.max_batch_size = b
+            warm = engine.auto_policy()                       # an earlier shard of this task
+            engine.generate(prompts, params, gamma=warm)
+            prior = engine.last_stats.counts()
+            cells[(task, b)] = {"prompts": prompts, "prior": prior, "times": {}, "picked": Counter()}
+    for rep in range(args.reps):
+        for (task, b), cell in cells.items():
+            engine.max_batch_size = b
+            for g in fixed + ["auto"]:
+                gamma = engine.auto_policy(prior=cell["prior"]) if g == "auto" else g
+                dt, tokens = timed(engine, cell["prompts"], params, gamma)
+                cell["times"].setdefault(g, []).append(tokens / dt)
+                if g == "auto":
+                    cell["picked"].update(d.gamma for d in engine.last_policy.decisions)
+                    cell["reason"] = next((d.reason for d in engine.last_policy.decisions if d.predicted_goodput), "")
+    report = {"machine": {"platform": platform.platform(), "device": str(engine.device),
+                          "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+              "model": str(args.model), "new_tokens": args.new, "reps": args.reps, "cells": []}
+    print(f"model {args.model} on {engine.device} ({torch.get_num_threads()} threads)\n")
+    print("| task | batch | " + " | ".join(f"gamma={g}" for g in fixed) + " | auto | auto / best fixed | auto / gamma 0 | auto picked |")
+    print("|---|---|" + "---|" * (len(fixed) + 4))
+    for (task, b), cell in cells.items():
+        tps = {g: statistics.median(v) for g, v in cell["times"].items()}
+        best = max(tps[g] for g in fixed)
+        picked = ", ".join(f"{g}:{n}" for g, n in sorted(cell["picked"].items()))
+        print(f"| {task} | {b} | " + " | ".join(f"{tps[g]:.0f}" for g in fixed)
+              + f" | {tps['auto']:.0f} | {tps['auto'] / best:.2f} | {tps['auto'] / tps[0]:.2f} | {picked} |")
+        report["cells"].append({"task": task, "batch": b, "tokens_per_s": {str(g): v for g, v in tps.items()},
+                                "auto_over_best_fixed": tps["auto"] / best, "auto_over_gamma0": tps["auto"] / tps[0],
+                                "auto_steps_per_gamma": dict(cell["picked"]), "auto_reason": cell.get("reason", ""),
+                                "prior_acceptance_by_depth": cell["prior"].acceptance_by_depth()})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
