@@ -120,6 +120,8 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
     with UtilizationMeter(info.get("device", "cpu"), int(info.get("threads", 1))) as meter:
         outs = engine.generate(prompts, params, gamma=policy, row_keys=keys)
     wall = time.perf_counter() - wall0
+    if hasattr(engine, "note_utilization"):
+        engine.note_utilization(meter.value)       # a large change re-profiles before the next shard
     results = [output_result(o) for o in outs]
     stats = engine.last_stats
     generated = sum(r["num_generated_tokens"] for r in results)

@@ -21,7 +21,8 @@ from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec import rng
 from pipeline.spec.acceptance import greedy_accept, rejection_sample
 from pipeline.engine.profile import profile_costs
-from pipeline.spec.cost import CostModel, fit_cost_model
+from pipeline.engine.costs import CostTracker
+from pipeline.spec.cost import CostModel
 from pipeline.spec.policy import GammaPolicy, GoodputPolicy, StepContext, make_policy
 from pipeline.spec.sampling import filtered_probs, sample
 from pipeline.spec.stats import PrefillRecord, SpecStats, StepRecord
@@ -45,9 +46,7 @@ class Engine:
         self.dtype = self.target.model.norm.weight.dtype
         self.stats = SpecStats()              # everything this engine measured, all calls
         self.last_stats = SpecStats()         # the last generate call alone
-        self.profile: list[StepRecord] = []   # cost profile (see profile_costs), measured once
-        self._cost: CostModel | None = None
-        self._cost_steps = -1
+        self.costs = CostTracker()            # profile, measured steps, fitted cost model
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
@@ -71,17 +70,17 @@ class Engine:
 
     # ---- the measured gamma policy -------------------------------------------------------------
     def cost_model(self) -> CostModel | None:
-        """The cost model fitted from the profile and every measured step, refitted as steps
-        accumulate (every 32 new steps)."""
-        n = len(self.stats.steps) + len(self.last_stats.steps)
-        if self._cost is None or n - self._cost_steps >= 32:
-            self._cost = fit_cost_model(self.profile + self.stats.steps[-2000:] + self.last_stats.steps)
-            self._cost_steps = n
-        return self._cost
+        """The cost model fitted from the profile and every measured step (this call's too)."""
+        return self.costs.model(self.last_stats.steps)
 
     def ensure_profile(self, context_len: int = 128) -> None:
-        if not self.profile and self.heads:
-            self.profile = profile_costs(self, self.max_batch_size, self.gamma_max, context_len)
+        """Profile the accelerator once, and again whenever the tracker finds the model stale."""
+        if self.heads and self.costs.needs_profile():
+            self.costs.set_profile(profile_costs(self, self.max_batch_size, self.gamma_max, context_len))
+
+    def note_utilization(self, utilization: float | None) -> None:
+        """Utilisation measured over a shard; a large change marks the cost profile stale."""
+        self.costs.note_utilization(utilization)
 
     def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128) -> GoodputPolicy:
         """A GoodputPolicy over this engine's cost model. `prior`: acceptance measured on earlier
@@ -109,6 +108,7 @@ class Engine:
         if live:
             _Run(self, live, params, policy).run()
         self.stats = self.stats.merge(self.last_stats)
+        self.costs.observe(self.last_stats.steps)
         del self.stats.steps[:-_KEEP_STEPS], self.stats.prefills[:-_KEEP_STEPS]   # bounded memory
         return [r.finalize(params, self.tokenizer) if r.out.error is None else r.out for r in rows]
 
