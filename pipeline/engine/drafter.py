@@ -29,9 +29,11 @@ class PendingFill:
     hidden: torch.Tensor      # [r, w, hidden] target hidden states at start..start+w-1
     next_ids: torch.Tensor    # [r, w] the token after each position
     count: torch.Tensor       # [r] valid entries (the rest is padding)
+    from_zero: bool = False   # a prompt: every row starts at position 0
 
     def select(self, keep: torch.Tensor) -> "PendingFill":
-        return PendingFill(self.rows[keep], self.start[keep], self.hidden[keep], self.next_ids[keep], self.count[keep])
+        return PendingFill(self.rows[keep], self.start[keep], self.hidden[keep], self.next_ids[keep],
+                           self.count[keep], self.from_zero)
 
 
 class Drafter:
@@ -115,7 +117,10 @@ class Drafter:
         for c, head in enumerate(self.heads):
             ok = in_range & ((steps >= c) | self.carry_ok[p.rows, None])
             self.valid[c, p.rows[:, None], positions] = ok
-            batch = Batch.make(positions, rows=p.rows, kv_len=kv_len, key_valid=self.valid[c, p.rows, :kv_len])
+            if p.from_zero and c == 0:        # head 1 over a prompt: plain causal, no mask tensor
+                batch = Batch.from_start(r, w, p.rows.device, rows=p.rows)
+            else:
+                batch = Batch.make(positions, rows=p.rows, kv_len=kv_len, key_valid=self.valid[c, p.rows, :kv_len])
             out = head(prev, p.next_ids, batch, self.cache, c)                 # [r, w, hidden]
             if c + 1 < len(self.heads):
                 prev = torch.cat([self.carry[c, p.rows][:, None], out[:, :-1]], dim=1)

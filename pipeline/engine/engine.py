@@ -200,8 +200,7 @@ class _Run:
         for i, r in enumerate(rows):
             ids[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
         slots = torch.tensor(slot_ids, device=dev)
-        positions = torch.arange(width, device=dev).expand(len(rows), width)
-        hidden = self.e.target(ids, Batch.make(positions, rows=slots, kv_len=width), self.cache)
+        hidden = self.e.target(ids, Batch.from_start(len(rows), width, dev, rows=slots), self.cache)
         idx = torch.arange(len(rows), device=dev)
         keys = torch.tensor([r.key for r in rows], device=dev)
         first = self._sample_target(self.e.target.logits(hidden[idx, lens - 1]), keys, lens)
@@ -209,7 +208,8 @@ class _Run:
         if self.slots.drafter is not None:
             next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
             next_ids[idx, lens - 1] = first
-            self.slots.drafter.add_pending(PendingFill(slots, torch.zeros_like(lens), hidden, next_ids, lens))
+            self.slots.drafter.add_pending(PendingFill(slots, torch.zeros_like(lens), hidden, next_ids, lens,
+                                                       from_zero=True))
         for r, tok in zip(rows, first.tolist()):
             r.emit([tok], self.params, self.eos, self.e.tokenizer)
         self._sync()

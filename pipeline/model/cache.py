@@ -21,6 +21,8 @@ class Batch:
     kv_len:    keys 0..kv_len-1 are attended (the cache is read only up to there)
     key_valid: optional [n, kv_len] keys that may be attended at all (MTP caches have holes)
     prefix:    True when rows == arange(n): cache reads are views, not gathers
+    from_zero: every row's queries are positions 0..q-1 and the keys are exactly those: plain
+               causal attention, no mask tensor (a [n, 1, q, q] mask is large for long prompts)
     cos, sin:  [n, q, head_dim] rotary tables for `positions`, set by the model
     """
     rows: torch.Tensor
@@ -28,6 +30,7 @@ class Batch:
     kv_len: int
     key_valid: torch.Tensor | None = None
     prefix: bool = False
+    from_zero: bool = False
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)
@@ -43,9 +46,20 @@ class Batch:
             kv_len = int(positions.max()) + 1
         return cls(rows, positions, kv_len, key_valid, prefix)
 
-    def mask(self, window: int | None) -> torch.Tensor:
+    @classmethod
+    def from_start(cls, batch_size: int, length: int, device, rows: torch.Tensor | None = None) -> "Batch":
+        """Whole sequences from position 0 (prefill, training): causal attention, no mask tensor."""
+        positions = torch.arange(length, device=device).expand(batch_size, length)
+        batch = cls.make(positions, rows=rows, kv_len=length)
+        batch.from_zero = True
+        return batch
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
         """[n, 1, q, kv_len] bool: key j is visible to the query at position p iff j <= p,
-        j > p - window (sliding layers), and key_valid allows j (or j == p)."""
+        j > p - window (sliding layers), and key_valid allows j (or j == p). None where plain
+        causal attention says the same (`from_zero`, no window, no key_valid)."""
+        if self.from_zero and window is None and self.key_valid is None:
+            return None
         if window not in self._masks:
             keys = torch.arange(self.kv_len, device=self.positions.device)      # [T]
             pos = self.positions[:, :, None]                                    # [n, q, 1]

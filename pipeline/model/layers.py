@@ -89,8 +89,10 @@ class Attention(nn.Module):
         else:
             cache.write(layer, batch, ks, vs)
             keys, values = cache.read(layer, batch)                          # [n, kv_heads, T, d]
+        mask = batch.mask(self.window)
         out = F.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=batch.mask(self.window), enable_gqa=self.num_kv_heads != self.num_heads)
+            qs, keys, values, attn_mask=mask, is_causal=mask is None,
+            enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(n, q, -1))
 
 

@@ -76,8 +76,7 @@ class MTPHead(DecoderLayer):
     def forward_full(self, prev_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """Causal forward over whole sequences from position 0, no cache (for training)."""
         b, t = next_ids.shape
-        positions = torch.arange(t, device=next_ids.device).expand(b, t)
-        return self.forward(prev_hidden, next_ids, Batch.make(positions), None)
+        return self.forward(prev_hidden, next_ids, Batch.from_start(b, t, next_ids.device), None)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] float32: the draft distribution's logits."""

@@ -53,8 +53,7 @@ class TargetModel(nn.Module):
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal forward over whole sequences [B, T] from position 0, no cache (for training)."""
         b, t = input_ids.shape
-        positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        return self.forward(input_ids, Batch.make(positions), None)
+        return self.forward(input_ids, Batch.from_start(b, t, input_ids.device), None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in float32."""
