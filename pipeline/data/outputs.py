@@ -33,6 +33,11 @@ STATS_SCHEMA = pa.schema([
     ("attempt", pa.int64()),
     ("num_generated_tokens", pa.int64()),           # beyond DESIGN.md: for pooled totals
     ("num_errors", pa.int64()),                     # rows whose error is set
+    # beyond DESIGN.md, for the dashboard (pipeline/dashboard):
+    ("started_at", pa.float64()),                   # unix seconds when the task group began
+    ("finished_at", pa.float64()),                  # unix seconds when it ended
+    ("predicted_goodput_gamma0", pa.float64()),     # cost model's tokens/s at gamma 0
+    ("cost_samples", pa.list_(pa.list_(pa.float64()))),  # <= 64 x [rows, q, ctx, verify_s, draft_s]
 ])
 
 

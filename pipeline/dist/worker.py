@@ -20,6 +20,7 @@ from pipeline.data.outputs import error_results, output_table
 from pipeline.data.plan import Shard
 from pipeline.data.prompts import build_prompts, needed_columns, row_ids, row_tasks
 from pipeline.data.read import read_shard
+from pipeline.dist.step_samples import cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model
 from pipeline.dist.utilization import UtilizationMeter
 
 
@@ -132,6 +133,9 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
         "tokens_per_s": generated / wall if wall > 0 else None,
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),
         "utilization": meter.value, "num_generated_tokens": generated,
+        "cost_samples": cost_samples(stats.steps),      # for the dashboard's cost-model plot
+        "predicted_goodput_gamma0": predicted_gamma0_tokens_per_s(
+            stats.steps, shard_cost_model(engine, stats.steps), generated, wall),
     }
     counts = stats.counts() if hasattr(stats, "counts") else None
     return results, measured, counts
@@ -158,7 +162,7 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
             if errors[i] is not None:
                 results[i] = error_results(1, errors[i])[0]
         good = [i for i in rows if errors[i] is None]
-        group_start = time.perf_counter()
+        group_start, started_at = time.perf_counter(), time.time()
         measured: dict = {"gamma_reason": "no rows to generate", "num_generated_tokens": 0}
         if good:
             outs, measured, counts = generate_group(
@@ -172,6 +176,7 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
             "shard_id": task.shard.shard_id, "task": name, "num_rows": len(rows),
             "num_errors": sum(1 for i in rows if results[i]["error"] is not None),
             "wall_time_s": time.perf_counter() - group_start, "attempt": task.attempt,
+            "started_at": started_at, "finished_at": time.time(),
             "device": info.get("device"), "actor_id": info.get("actor_id"),
             "node_id": info.get("node_id"),
         })
@@ -191,6 +196,7 @@ def failed_shard_result(task: ShardTask, message: str) -> ShardResult:
                        error_results(table.num_rows, message), keep)
     stats_rows = [{"shard_id": task.shard.shard_id, "task": name, "num_rows": len(rows),
                    "num_errors": len(rows), "num_generated_tokens": 0, "attempt": task.attempt,
+                   "finished_at": time.time(),
                    "gamma_reason": f"failed: {message}"[:500]}
                   for name, rows in group_by_task(row_tasks(table, task.data)).items()]
     return ShardResult(out, stats_rows)
