@@ -1,20 +1,27 @@
-"""Atomic commits into the run directory.
+"""Atomic commits into the run directory (a local path or a URI; see storage.py).
 
 A shard is committed when `outputs/part-NNNNN.parquet` exists: it is written under a hidden
-temporary name in the same folder and renamed, so readers never see a partial file. The
-shard's stats rows travel in the part's schema metadata too, so `stats/shards.parquet` can
-always be rebuilt from the committed parts.
+temporary name in the same folder and moved to its final name, so readers never see a partial
+file (on an object store the move is copy + delete, and the final key appears only complete).
+The shard's stats rows travel in the part's schema metadata too, so `stats/shards.parquet`
+can always be rebuilt from the committed parts.
+
+Paths handed back are `Path`s for a local run directory and filesystem paths
+('bucket/prefix/outputs/part-00001.parquet') for a remote one.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Sequence
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from pipeline.data.storage import (Where, locate, list_names, open_store, remove_temp,
+                                   write_bytes_atomic, write_table_atomic)
 
 OUTPUTS = "outputs"
 STATS = "stats"
@@ -23,67 +30,59 @@ STATS_KEY = b"specbatch.shard_stats"
 _PART = re.compile(r"^part-(\d{5,})\.parquet$")
 
 
-def part_path(run_dir: Path, shard_id: int) -> Path:
-    return Path(run_dir) / OUTPUTS / f"part-{shard_id:05d}.parquet"
+def part_name(shard_id: int) -> str:
+    return f"part-{shard_id:05d}.parquet"
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def part_path(run_dir: Where, shard_id: int) -> Path | str:
+    store = open_store(run_dir)
+    return store.show(store.path(OUTPUTS, part_name(shard_id)))
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def atomic_write_bytes(path: str | Path, data: bytes, fs: pafs.FileSystem | None = None) -> None:
+    write_bytes_atomic(*locate(path, fs), data)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=False, default=str).encode())
+def atomic_write_json(path: str | Path, obj: Any, fs: pafs.FileSystem | None = None) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=False, default=str).encode(), fs)
 
 
-def atomic_write_table(path: Path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+def atomic_write_table(path: str | Path, table: pa.Table, fs: pafs.FileSystem | None = None) -> None:
+    write_table_atomic(*locate(path, fs), table)
 
 
-def commit_part(run_dir: Path, shard_id: int, table: pa.Table,
-                stats_rows: Sequence[dict]) -> Path:
+def commit_part(run_dir: Where, shard_id: int, table: pa.Table,
+                stats_rows: Sequence[dict]) -> Path | str:
     """Write a shard's output rows (and its stats in the metadata) atomically."""
+    store = open_store(run_dir)
     meta = dict(table.schema.metadata or {})
     meta[STATS_KEY] = json.dumps(list(stats_rows), default=str).encode()
-    path = part_path(run_dir, shard_id)
-    atomic_write_table(path, table.replace_schema_metadata(meta))
-    return path
+    path = store.path(OUTPUTS, part_name(shard_id))
+    write_table_atomic(store.fs, path, table.replace_schema_metadata(meta))
+    return store.show(path)
 
 
-def committed_shards(run_dir: Path) -> dict[int, Path]:
+def committed_shards(run_dir: Where) -> dict[int, Path | str]:
     """shard_id -> part file, for every committed part."""
-    folder = Path(run_dir) / OUTPUTS
-    if not folder.is_dir():
-        return {}
+    store = open_store(run_dir)
+    folder = store.path(OUTPUTS)
     found = {}
-    for path in folder.iterdir():
-        m = _PART.match(path.name)
+    for name in list_names(store.fs, folder):
+        m = _PART.match(name)
         if m:
-            found[int(m.group(1))] = path
+            found[int(m.group(1))] = store.show(f"{folder}/{name}")
     return dict(sorted(found.items()))
 
 
-def part_stats(path: Path) -> list[dict]:
+def part_stats(path: str | Path, fs: pafs.FileSystem | None = None) -> list[dict]:
     """The stats rows stored with a committed part (metadata only; rows are not read)."""
-    meta = pq.read_schema(path).metadata or {}
+    fs, where = locate(path, fs)
+    meta = pq.read_schema(where, filesystem=fs).metadata or {}
     return json.loads(meta[STATS_KEY]) if STATS_KEY in meta else []
 
 
-def remove_temp_files(run_dir: Path) -> int:
+def remove_temp_files(run_dir: Where) -> int:
     """Delete leftovers of interrupted writes; returns how many."""
-    removed = 0
-    for folder in (Path(run_dir), Path(run_dir) / OUTPUTS, Path(run_dir) / STATS):
-        if folder.is_dir():
-            for path in folder.glob(".*.tmp-*"):
-                path.unlink(missing_ok=True)
-                removed += 1
-    return removed
+    store = open_store(run_dir)
+    return sum(remove_temp(store.fs, folder)
+               for folder in (store.root, store.path(OUTPUTS), store.path(STATS)))

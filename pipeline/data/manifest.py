@@ -9,10 +9,11 @@ import platform
 import time
 from collections import Counter
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
 from pipeline.data.commit import MANIFEST, atomic_write_json
+from pipeline.data.storage import Where, open_store, read_bytes
 from pipeline.data.plan import Shard
 
 _PACKAGES = ("specbatch", "torch", "transformers", "tokenizers", "safetensors", "pyarrow",
@@ -58,7 +59,7 @@ def totals(stats_rows: Sequence[dict], session_tokens: int = 0,
     }
 
 
-def shard_entries(plan: Sequence[Shard], committed: dict[int, Path],
+def shard_entries(plan: Sequence[Shard], committed: dict[int, Path | str],
                   attempts: dict[int, int], failed: set[int]) -> list[dict]:
     entries = []
     for shard in plan:
@@ -66,16 +67,18 @@ def shard_entries(plan: Sequence[Shard], committed: dict[int, Path],
                   "committed" if shard.shard_id in committed else "pending")
         entry = shard.to_dict() | {"status": status, "attempts": attempts.get(shard.shard_id, 0)}
         if shard.shard_id in committed:
-            entry["file"] = str(Path("outputs") / committed[shard.shard_id].name)
+            entry["file"] = f"outputs/{PurePosixPath(str(committed[shard.shard_id])).name}"
         entries.append(entry)
     return entries
 
 
-def write_manifest(run_dir: Path, manifest: dict) -> None:
+def write_manifest(run_dir: Where, manifest: dict) -> None:
     manifest["updated_at"] = now_iso()
-    atomic_write_json(Path(run_dir) / MANIFEST, manifest)
+    store = open_store(run_dir)
+    atomic_write_json(store.path(MANIFEST), manifest, store.fs)
 
 
-def read_manifest(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+def read_manifest(run_dir: Where) -> dict | None:
+    store = open_store(run_dir)
+    data = read_bytes(store.fs, store.path(MANIFEST))
+    return None if data is None else json.loads(data)

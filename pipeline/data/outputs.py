@@ -8,6 +8,7 @@ import pyarrow as pa
 
 from pipeline.config import OUTPUT_COLUMNS
 from pipeline.data.commit import STATS, atomic_write_table
+from pipeline.data.storage import Where, open_store
 
 _COUNTS = ("num_prompt_tokens", "num_generated_tokens", "num_drafted_tokens",
            "num_accepted_tokens")
@@ -73,9 +74,10 @@ def stats_table(rows: Sequence[dict]) -> pa.Table:
                                 schema=STATS_SCHEMA)
 
 
-def write_stats(run_dir: Path, rows: Sequence[dict]) -> Path:
+def write_stats(run_dir: Where, rows: Sequence[dict]) -> Path | str:
     """Rewrite stats/shards.parquet atomically with every committed shard's rows."""
-    path = Path(run_dir) / STATS / "shards.parquet"
+    store = open_store(run_dir)
+    path = store.path(STATS, "shards.parquet")
     ordered = sorted(rows, key=lambda r: (r["shard_id"], str(r.get("task"))))
-    atomic_write_table(path, stats_table(ordered))
-    return path
+    atomic_write_table(path, stats_table(ordered), store.fs)
+    return store.show(path)

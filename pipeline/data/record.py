@@ -4,6 +4,10 @@
 config); `RunRecord.commit` writes one shard's part, then the stats file, then the manifest,
 each atomically, so a reader sees a consistent run at any moment. On resume the stats come
 back from the committed parts' metadata, the source of truth.
+
+`output.dir` may be a URI (s3://, gs://, file://; see storage.py). On a cluster the actors
+write their parts there themselves and hand back only stats (`RunRecord.mark_committed`);
+the driver writes the stats file and the manifest to the same filesystem.
 """
 from __future__ import annotations
 
@@ -15,27 +19,39 @@ from typing import Any, Sequence
 import pyarrow as pa
 
 from pipeline.config import RunConfig, UserError
-from pipeline.data.commit import commit_part, committed_shards, part_stats, remove_temp_files
+from pipeline.data.commit import (OUTPUTS, commit_part, committed_shards, part_name, part_stats,
+                                  remove_temp_files)
 from pipeline.data.manifest import (now_iso, package_versions, read_manifest, shard_entries,
                                     totals, write_manifest)
 from pipeline.data.outputs import write_stats
 from pipeline.data.plan import Shard, plan_shards
 from pipeline.data.prompts import check_columns
 from pipeline.data.source import Source, open_source
+from pipeline.data.storage import Store, is_file, open_store
 
 
 @dataclass
 class RunRecord:
-    run_dir: Path
+    run_dir: Path | str          # a local Path, or the URI as given
     source: Source
     plan: list[Shard]
     manifest: dict[str, Any]
-    committed: dict[int, Path] = field(default_factory=dict)
+    committed: dict[int, Path | str] = field(default_factory=dict)
     stats_rows: list[dict] = field(default_factory=list)
     attempts: dict[int, int] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
     session_tokens: int = 0
     session_start: float = field(default_factory=time.perf_counter)
+    store: Store | None = None   # run_dir opened on its filesystem
+
+    def __post_init__(self) -> None:
+        if self.store is None:
+            self.store = open_store(self.run_dir)
+
+    @property
+    def output_dir(self) -> str:
+        """Where actors commit parts: the absolute local path or the URI."""
+        return self.store.root if self.store.is_local else self.store.uri
 
     @property
     def total_rows(self) -> int:
@@ -52,11 +68,27 @@ class RunRecord:
         if table.num_rows != shard.num_rows:
             raise RuntimeError(f"shard {shard.shard_id}: {table.num_rows} output rows for "
                                f"{shard.num_rows} input rows")
-        self.committed[shard.shard_id] = commit_part(self.run_dir, shard.shard_id, table, stats_rows)
+        self._committed(shard, commit_part(self.store, shard.shard_id, table, stats_rows), stats_rows)
+
+    def mark_committed(self, shard: Shard, num_rows: int, stats_rows: Sequence[dict]) -> None:
+        """Record a part an actor wrote itself; checks the driver can see it."""
+        if num_rows != shard.num_rows:
+            raise RuntimeError(f"shard {shard.shard_id}: {num_rows} output rows for "
+                               f"{shard.num_rows} input rows")
+        path = self.store.path(OUTPUTS, part_name(shard.shard_id))
+        if not is_file(self.store.fs, path):
+            node = next((r.get("node_id") for r in stats_rows if r.get("node_id")), "?")
+            raise UserError(f"shard {shard.shard_id} was committed by node {node} but the driver "
+                            f"cannot see {path}: on a multi-node cluster output.dir must be shared "
+                            "storage (s3://, gs://, or a path every node mounts)")
+        self._committed(shard, self.store.show(path), stats_rows)
+
+    def _committed(self, shard: Shard, path: Path | str, stats_rows: Sequence[dict]) -> None:
+        self.committed[shard.shard_id] = path
         self.stats_rows.extend(stats_rows)
         self.session_tokens += sum(r.get("num_generated_tokens") or 0 for r in stats_rows)
         self.failed.discard(shard.shard_id)
-        write_stats(self.run_dir, self.stats_rows)
+        write_stats(self.store, self.stats_rows)
         self.save("running")
 
     def totals(self) -> dict[str, Any]:
@@ -69,7 +101,7 @@ class RunRecord:
         self.manifest["status"] = status
         self.manifest["totals"] = self.totals()
         self.manifest["shards"] = shard_entries(self.plan, self.committed, self.attempts, self.failed)
-        write_manifest(self.run_dir, self.manifest)
+        write_manifest(self.store, self.manifest)
 
 
 def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
@@ -79,9 +111,10 @@ def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
     check_columns(source.schema, cfg.data, cfg.output.keep_columns)
     plan = plan_shards(source, cfg.shards.rows_per_shard, cfg.data.limit,
                        cfg.data.task_column, cfg.data.tasks)
-    run_dir = Path(cfg.output.dir).resolve()
-    committed = committed_shards(run_dir)
-    previous = read_manifest(run_dir)
+    store = open_store(cfg.output.dir)
+    run_dir = Path(store.root) if store.is_local else store.uri
+    committed = committed_shards(store)
+    previous = read_manifest(store)
     if committed and not cfg.resume:
         raise UserError(f"{run_dir} already holds {len(committed)} committed shard(s); "
                         "pass resume=true to finish that run, or choose another output.dir")
@@ -90,7 +123,7 @@ def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
     unknown = sorted(set(committed) - {s.shard_id for s in plan})
     if unknown:
         raise UserError(f"{run_dir} holds parts of shards {unknown} that are not in the plan")
-    remove_temp_files(run_dir)
+    remove_temp_files(store)
     manifest = {
         "status": "running",
         "started_at": (previous or {}).get("started_at", now_iso()) if cfg.resume else now_iso(),
@@ -103,10 +136,10 @@ def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
                  "rows": sum(s.num_rows for s in plan)},
         "totals": (previous or {}).get("totals", {}) if cfg.resume else {},
     }
-    record = RunRecord(run_dir, source, plan, manifest, committed=committed)
+    record = RunRecord(run_dir, source, plan, manifest, committed=committed, store=store)
     for path in committed.values():
-        record.stats_rows.extend(part_stats(path))
-    write_stats(run_dir, record.stats_rows)
+        record.stats_rows.extend(part_stats(str(path), store.fs))
+    write_stats(store, record.stats_rows)
     record.save("running")
     return record
 

@@ -5,13 +5,15 @@ stay here and in pool.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Callable
 
 import ray
 
 from pipeline.config import EngineConfig, ModelConfig
-from pipeline.dist.worker import ShardResult, ShardTask, process_shard
+from pipeline.dist.model_files import model_on_node
+from pipeline.dist.worker import ShardResult, ShardTask, commit_result, process_shard
 
 
 def load_engine(model: ModelConfig, engine: EngineConfig) -> Any:
@@ -42,8 +44,10 @@ class ShardWorker:
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.engine = _import(loader)(model, engine)
         ctx = ray.get_runtime_context()
+        node = f"{ray.util.get_node_ip_address()} (node_id {ctx.get_node_id()})"
+        model = dataclasses.replace(model, path=model_on_node(model.path, node))
+        self.engine = _import(loader)(model, engine)
         device = getattr(self.engine, "device", None)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,7 +59,8 @@ class ShardWorker:
         return self.info
 
     def run(self, task: ShardTask) -> ShardResult:
-        return process_shard(self.engine, task, self.info, self.priors)
+        """Generate the shard; with task.output_dir set, commit its part here and return stats."""
+        return commit_result(task, process_shard(self.engine, task, self.info, self.priors))
 
 
 def actor_options(use_gpus: bool, gpus_per_actor: float, cpus_per_actor: int) -> dict:

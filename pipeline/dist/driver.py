@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ClusterConfig, RunConfig, UserError
 from pipeline.data.record import RunRecord, open_run
+from pipeline.data.storage import is_remote
 from pipeline.dist.actor import Loader, actor_options, load_engine, start_actor
 from pipeline.dist.pool import ActorPool, ActorsKeepDying
 from pipeline.dist.progress import Progress
@@ -25,10 +26,19 @@ BUILD_DEMO = "python -m pipeline.run +job=build_demo"
 
 
 def check_inputs(cfg: RunConfig) -> None:
-    """Clear errors for a missing model or dataset, naming how to build the demo ones."""
+    """Clear errors for a missing model or dataset, naming how to build the demo ones.
+
+    A model URI is fetched by each node (model_files.py) and not checked here. On a cluster a
+    local model.path the driver's node lacks is only a warning: the actors' nodes may have
+    it, and an actor whose node does not fails naming its node and the path."""
     for key, path, need in (("model.path", cfg.model.path, "config.json"),
                             ("data.path", cfg.data.path, None)):
-        if any(c in path for c in "*?["):
+        if any(c in path for c in "*?[") or (key == "model.path" and is_remote(path)):
+            continue
+        if key == "model.path" and cfg.cluster.address is not None:
+            if not (Path(path) / need).is_file():
+                print(f"warning: model.path {path} is not on the driver's node; each actor "
+                      "checks its own node", file=sys.stderr)
             continue
         p = Path(path)
         if p.exists() and (need is None or (p / need).is_file()):
@@ -133,11 +143,15 @@ def _task(cfg: RunConfig, record: RunRecord, shard, attempt: int) -> ShardTask:
     return ShardTask(shard=shard, attempt=attempt, files=record.source.files,
                      file_rows=record.source.file_rows, data=cfg.data,
                      keep_columns=cfg.output.keep_columns, sampling=cfg.sampling,
-                     gamma=cfg.spec.gamma, gamma_max=cfg.spec.gamma_max)
+                     gamma=cfg.spec.gamma, gamma_max=cfg.spec.gamma_max,
+                     output_dir=record.output_dir)
 
 
 def _commit(record: RunRecord, bar: Progress, shard, attempt: int, result: ShardResult) -> None:
-    record.commit(shard, result.table, result.stats_rows)
+    if result.table is None:      # the actor committed the part itself (the usual case)
+        record.mark_committed(shard, result.num_rows, result.stats_rows)
+    else:
+        record.commit(shard, result.table, result.stats_rows)
     bar.update(shard.num_rows, result.stats_rows, record.totals())
 
 

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 
 from pipeline.config import DataConfig, SamplingConfig
+from pipeline.data.commit import commit_part
 from pipeline.data.outputs import error_results, output_table
 from pipeline.data.plan import Shard
 from pipeline.data.prompts import build_prompts, needed_columns, row_ids, row_tasks
@@ -35,12 +36,27 @@ class ShardTask:
     sampling: SamplingConfig
     gamma: int | str                  # spec.gamma: 'auto' or an int >= 0
     gamma_max: int = 5                # spec.gamma_max: caps 'auto'
+    output_dir: str | None = None     # run directory (path or URI) the actor commits to; None: return rows
 
 
 @dataclass
 class ShardResult:
-    table: pa.Table                   # the shard's output rows, in input order
+    table: pa.Table | None            # the shard's output rows, in input order; None once committed
     stats_rows: list[dict] = field(default_factory=list)   # one per task in the shard
+    num_rows: int | None = None       # output rows (set when the table was committed by the actor)
+
+
+def commit_result(task: ShardTask, result: ShardResult) -> ShardResult:
+    """Commit the shard's part to `task.output_dir` from where it was generated (the actor),
+    and hand back only its stats: output rows never travel through the driver."""
+    if task.output_dir is None or result.table is None:
+        return result
+    table = result.table
+    if table.num_rows != task.shard.num_rows:
+        raise RuntimeError(f"shard {task.shard.shard_id}: {table.num_rows} output rows for "
+                           f"{task.shard.num_rows} input rows")
+    commit_part(task.output_dir, task.shard.shard_id, table, result.stats_rows)
+    return ShardResult(None, result.stats_rows, table.num_rows)
 
 
 def row_key(row_id) -> int:
