@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError, UserError
+from pipeline.data.storage import hydra_dir
 from pipeline.recipes import list_jobs, resolve
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -22,9 +23,12 @@ _HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info",
 
 
 def register_resolvers() -> None:
-    """`${asset:demo/model}` -> absolute path under pipeline/assets (works from any cwd)."""
+    """`${asset:demo/model}` -> absolute path under pipeline/assets (works from any cwd);
+    `${hydra_dir:${output.dir}}` -> a local folder for Hydra's files (output.dir may be s3://)."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", lambda rel: str(PACKAGE_DIR / "assets" / rel))
+    if not OmegaConf.has_resolver("hydra_dir"):
+        OmegaConf.register_new_resolver("hydra_dir", hydra_dir)
 
 
 def usage() -> str:
