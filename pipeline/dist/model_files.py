@@ -59,6 +59,7 @@ def fetch_model(uri: str, root: Path | None = None) -> str:
             raise FileNotFoundError(f"{uri} has no {CONFIG}")
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         pafs.copy_files(src, str(tmp), source_filesystem=fs,
                         destination_filesystem=pafs.LocalFileSystem())
         shutil.rmtree(target, ignore_errors=True)

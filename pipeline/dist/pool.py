@@ -8,6 +8,7 @@ survive) the run stops instead, uncommitted, for a later resume.
 """
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import Any, Callable
 
@@ -17,6 +18,16 @@ from ray.exceptions import RayActorError
 from pipeline.config import UserError
 from pipeline.data.plan import Shard
 from pipeline.dist.worker import ShardResult, ShardTask
+
+
+def start_error(text: str) -> str:
+    """An actor's start failure as one message: the UserError it raised (e.g. 'node ... cannot
+    see model.path ...') without Ray's traceback wrapper, else Ray's whole text."""
+    for line in reversed(text.splitlines()):
+        m = re.search(r"\b(?:UserError|ModelNotVisible): (.+)$", line)
+        if m:
+            return m.group(1)
+    return f"an actor could not start (model loading failed?): {text}"
 
 
 class ActorsKeepDying(RuntimeError):
@@ -35,7 +46,7 @@ class ActorPool:
         try:
             return ray.get([a.ready.remote() for a in self.actors])
         except RayActorError as exc:
-            raise UserError(f"an actor could not start (model loading failed?): {exc}") from exc
+            raise UserError(start_error(str(exc))) from exc
 
     def replace(self, actor: Any) -> Any:
         self.deaths += 1
