@@ -12,9 +12,16 @@ def step(rows=4, gamma=2, verify=0.06, draft=0.02, emitted=5, ctx=10.0):
 
 
 def test_worked_example():
-    model = CostModel((0.05, 0.0, 0.0, 0.0), 0.0, (0.0, 0.0, 0.0, 0.0), 3)   # verify_s = 0.05 flat
+    model = CostModel((0.04, 0.005, 0.0, 0.0), 0.0, (0.0, 0.0, 0.0, 0.0), 3)   # 0.04 + 0.005 N
     tps = predicted_gamma0_tokens_per_s([step()] * 20, model, generated=100, wall_s=2.0)
-    assert tps == pytest.approx(100 / (2.0 - 1.6 + 1.25))
+    assert tps == pytest.approx(100 / (2.0 - 1.6 + 0.9))
+
+
+def test_gamma0_steps_predict_what_was_measured():
+    """At gamma 0 the prediction is the measurement itself: scale makes the model agree."""
+    model = CostModel((0.01, 0.001, 0.0, 0.0), 0.0, (0.0,) * 4, 3)
+    steps = [step(rows=r, gamma=0, verify=0.002 * r, draft=0.0, emitted=r) for r in (4, 3, 2)]
+    assert predicted_gamma0_tokens_per_s(steps, model, 9, 0.5) == pytest.approx(9 / 0.5)
 
 
 def test_no_model_or_no_steps_is_none():

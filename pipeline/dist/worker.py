@@ -21,7 +21,8 @@ from pipeline.data.outputs import error_results, output_table
 from pipeline.data.plan import Shard
 from pipeline.data.prompts import build_prompts, needed_columns, row_ids, row_tasks
 from pipeline.data.read import read_shard
-from pipeline.dist.step_samples import cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model
+from pipeline.dist.step_samples import (cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model,
+                                        verify_coefficients)
 from pipeline.dist.utilization import UtilizationMeter
 
 
@@ -142,6 +143,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
     results = [output_result(o) for o in outs]
     stats = engine.last_stats
     generated = sum(r["num_generated_tokens"] for r in results)
+    model = shard_cost_model(engine, stats.steps)
     measured = {
         **gamma_in_use(stats, gamma, getattr(engine, "last_policy", None)),
         "acceptance_by_depth": [_finite(a) for a in stats.acceptance_by_depth()],
@@ -150,8 +152,8 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),
         "utilization": meter.value, "num_generated_tokens": generated,
         "cost_samples": cost_samples(stats.steps),      # for the dashboard's cost-model plot
-        "predicted_goodput_gamma0": predicted_gamma0_tokens_per_s(
-            stats.steps, shard_cost_model(engine, stats.steps), generated, wall),
+        "cost_model_verify": verify_coefficients(model),
+        "predicted_goodput_gamma0": predicted_gamma0_tokens_per_s(stats.steps, model, generated, wall),
     }
     counts = stats.counts() if hasattr(stats, "counts") else None
     return results, measured, counts
