@@ -15,8 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ClusterConfig, RunConfig, UserError
 from pipeline.data.record import RunRecord, open_run
-from pipeline.data.storage import is_remote
+from pipeline.data.storage import is_uri
 from pipeline.dist.actor import Loader, actor_options, load_engine, start_actor
+from pipeline.dist.metrics import RunMetrics
 from pipeline.dist.pool import ActorPool, ActorsKeepDying
 from pipeline.dist.progress import Progress
 from pipeline.dist.worker import ShardResult, ShardTask, failed_shard_result
@@ -28,12 +29,12 @@ BUILD_DEMO = "python -m pipeline.run +job=build_demo"
 def check_inputs(cfg: RunConfig) -> None:
     """Clear errors for a missing model or dataset, naming how to build the demo ones.
 
-    A model URI is fetched by each node (model_files.py) and not checked here. On a cluster a
-    local model.path the driver's node lacks is only a warning: the actors' nodes may have
-    it, and an actor whose node does not fails naming its node and the path."""
+    URIs are checked where they are opened (a model URI by each node, model_files.py). On a
+    cluster a local model.path the driver's node lacks is only a warning: the actors' nodes may
+    have it, and an actor whose node does not fails naming its node and the path."""
     for key, path, need in (("model.path", cfg.model.path, "config.json"),
                             ("data.path", cfg.data.path, None)):
-        if any(c in path for c in "*?[") or (key == "model.path" and is_remote(path)):
+        if any(c in path for c in "*?[") or is_uri(path):
             continue
         if key == "model.path" and cfg.cluster.address is not None:
             if not (Path(path) / need).is_file():
@@ -113,6 +114,7 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     pending = record.pending()
     if not pending:
         record.save("finished")
+        write_dashboard(record.run_dir)
         return record.manifest
     use_gpus = _use_gpus(cfg)
     options = actor_options(use_gpus, cfg.cluster.gpus_per_actor, cfg.cluster.cpus_per_actor)
@@ -120,12 +122,13 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     pool = ActorPool(lambda: start_actor(cfg.model, cfg.engine, options, loader), size,
                      max_deaths=size * cfg.shards.max_attempts)
     bar = Progress(record.total_rows, record.done_rows, enabled=progress)
+    metrics = RunMetrics(str(record.run_dir).rstrip("/").rsplit("/", 1)[-1])
     status = "failed"
     try:
         pool.wait_ready()
         pool.run(pending, lambda shard, attempt: _task(cfg, record, shard, attempt),
-                 lambda shard, attempt, result: _commit(record, bar, shard, attempt, result),
-                 lambda shard, attempt, why: _give_up(cfg, record, bar, shard, attempt, why),
+                 lambda shard, attempt, result: _commit(record, bar, shard, attempt, result, metrics),
+                 lambda shard, attempt, why: _give_up(cfg, record, bar, shard, attempt, why, metrics),
                  cfg.shards.max_attempts)
         status = "finished"
     except KeyboardInterrupt:
@@ -135,7 +138,20 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
         bar.close()
         pool.shutdown()
         record.save(status)
+        write_dashboard(record.run_dir)
     return record.manifest
+
+
+def write_dashboard(run_dir: Path | str) -> None:
+    """RUN_DIR/report.html at the end of every run. The dashboard is the one layer above this
+    one, so it is imported here lazily; a failure is reported and never fails the run."""
+    try:
+        from pipeline.dashboard import write_report
+
+        write_report(run_dir)
+    except Exception as exc:
+        print(f"warning: could not write the dashboard report.html in {run_dir}: {exc}",
+              file=sys.stderr)
 
 
 def _task(cfg: RunConfig, record: RunRecord, shard, attempt: int) -> ShardTask:
@@ -147,16 +163,18 @@ def _task(cfg: RunConfig, record: RunRecord, shard, attempt: int) -> ShardTask:
                      output_dir=record.output_dir)
 
 
-def _commit(record: RunRecord, bar: Progress, shard, attempt: int, result: ShardResult) -> None:
+def _commit(record: RunRecord, bar: Progress, shard, attempt: int, result: ShardResult,
+            metrics: RunMetrics | None = None) -> None:
     if result.table is None:      # the actor committed the part itself (the usual case)
         record.mark_committed(shard, result.num_rows, result.stats_rows)
     else:
         record.commit(shard, result.table, result.stats_rows)
     bar.update(shard.num_rows, result.stats_rows, record.totals())
+    if metrics is not None:
+        metrics.observe(result.stats_rows, record.totals())
 
 
 def _give_up(cfg: RunConfig, record: RunRecord, bar: Progress, shard, attempt: int,
-             why: str) -> None:
+             why: str, metrics: RunMetrics | None = None) -> None:
     result = failed_shard_result(_task(cfg, record, shard, attempt), why)
-    record.commit(shard, result.table, result.stats_rows)
-    bar.update(shard.num_rows, result.stats_rows, record.totals())
+    _commit(record, bar, shard, attempt, result, metrics)
