@@ -1,4 +1,4 @@
-"""output.dir and model.path on a real S3 API: moto's server on a loopback port, started here.
+"""output.dir, model.path and data.path on a real S3 API: moto's server on a loopback port, started here.
 
 The run directory's files (parts written by the actors, the stats file and manifest written by
 the driver) land in the bucket; a resume against the URI redoes only the missing shard; a
@@ -107,11 +107,30 @@ def assets(s3, tmp_path_factory):
     model = make_tiny_checkpoint(root / "model", arch="llama", num_mtp_layers=1, seed=0)
     pafs.copy_files(str(model), f"{BUCKET}/models/tiny", destination_filesystem=s3["fs"])
     n = 10
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(n)],
-                             "text": [f"the quick brown fox {i}" for i in range(n)]}),
-                   root / "d.parquet")
+    table = pa.table({"id": [f"r{i}" for i in range(n)],
+                      "text": [f"the quick brown fox {i}" for i in range(n)]})
+    pq.write_table(table, root / "d.parquet")
+    for name, part in (("a.parquet", table.slice(0, 6)), ("b.parquet", table.slice(6))):
+        pq.write_table(part, f"{BUCKET}/data/{name}", filesystem=s3["fs"], row_group_size=4)
+    with s3["fs"].open_output_stream(f"{BUCKET}/data/_SUCCESS") as f:   # not a data file
+        f.write(b"")
     return {"model_uri": s3["uri"]("models/tiny"), "data": str(root / "d.parquet"), "rows": n,
-            "cache": str(root / "cache")}
+            "data_uri": s3["uri"]("data"), "cache": str(root / "cache")}
+
+
+def test_data_path_uri_lists_and_reads(s3, assets):
+    from pipeline.data import open_source, plan_shards, read_shard
+
+    source = open_source(assets["data_uri"])
+    assert [f.split("?")[0] for f in source.files] == [f"s3://{BUCKET}/data/a.parquet",
+                                                       f"s3://{BUCKET}/data/b.parquet"]
+    assert source.file_rows == (6, 4) and source.total_rows == assets["rows"]
+    assert open_source(s3["uri"]("data/*.parquet")).files == source.files
+    shard = plan_shards(source, 4)[1]                  # rows 4..7 span both files
+    table = read_shard(source.files, source.file_rows, shard, ["id"])
+    assert table["id"].to_pylist() == ["r4", "r5", "r6", "r7"]
+    with pytest.raises(UserError, match="no Parquet files"):
+        open_source(s3["uri"]("nothing-here"))
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +155,7 @@ def test_run_and_resume_against_s3(s3, assets, ray_session):
 
     fs, run = s3["fs"], s3["uri"]("runs/job1")
     raw = raw_cfg(assets, run, assets["model_uri"])
+    raw["data"]["path"] = assets["data_uri"]                 # every input on S3 too
     manifest = run_generation(RunConfig.from_dict(raw), raw, progress=False)
     assert manifest["status"] == "finished"
     root = f"{BUCKET}/runs/job1"
@@ -155,6 +175,7 @@ def test_run_and_resume_against_s3(s3, assets, ray_session):
         f.write(b"partial")
     kept = {i: part_stats(f"{root}/outputs/part-0000{i}.parquet", fs) for i in (0, 2)}
     raw = raw_cfg(assets, run, assets["model_uri"], resume=True)
+    raw["data"]["path"] = assets["data_uri"]
     manifest = run_generation(RunConfig.from_dict(raw), raw, progress=False)
     assert manifest["status"] == "finished" and manifest["totals"]["rows"] == assets["rows"]
     names = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{root}/outputs")))

@@ -12,9 +12,9 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from pipeline.data.source import Source
+from pipeline.data.storage import open_parquet
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def iter_kept_positions(source: Source, task_column: str, tasks: tuple[str, ...]
     offset = 0
     value_set = pa.array(list(tasks), type=pa.string())
     for path in source.files:  # file by file, in order: positions stay exact
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=[task_column]):
+        for batch in open_parquet(path).iter_batches(batch_size=batch_size, columns=[task_column]):
             column = batch.column(0).cast(pa.string())
             mask = pc.fill_null(pc.is_in(column, value_set=value_set), False)
             yield np.flatnonzero(mask.to_numpy(zero_copy_only=False)) + offset

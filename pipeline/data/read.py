@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from pipeline.data.plan import Shard
+from pipeline.data.storage import open_parquet
 
 POSITION = "__position__"   # the row's position in the dataset, added to every shard table
 
@@ -30,7 +30,7 @@ def read_range(files: tuple[str, ...], file_rows: tuple[int, ...], start: int, s
 
 def _read_file_range(path: str, lo: int, hi: int, columns: list[str], base: int) -> pa.Table:
     """Rows [lo, hi) of one file (clipped to it), reading only overlapping row groups."""
-    pf = pq.ParquetFile(path)
+    pf = open_parquet(path)
     lo, hi = max(lo, 0), min(hi, pf.metadata.num_rows)
     groups, group_start, first_start = [], 0, None
     for g in range(pf.metadata.num_row_groups):

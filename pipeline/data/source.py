@@ -1,4 +1,5 @@
-"""Open `data.path` (a Parquet file, a directory of them, or a glob) lazily.
+"""Open `data.path` (a Parquet file, a directory of them, or a glob; a local path or a URI such
+as s3://bucket/prefix/*.parquet) lazily.
 
 Only metadata is read here: the file list, each file's row count and the schema. A row's
 position in the dataset is its index in the concatenation of the files in sorted order, so it
@@ -6,21 +7,24 @@ is stable from run to run and across resumes.
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 
 from pipeline.config import UserError
+from pipeline.data.storage import file_uri, is_remote, is_uri, locate
 
 _GLOB_CHARS = "*?["
 
 
 @dataclass(frozen=True)
 class Source:
-    files: tuple[str, ...]       # absolute paths, sorted
+    files: tuple[str, ...]       # absolute paths or URIs, sorted
     file_rows: tuple[int, ...]   # rows per file, from Parquet metadata
     schema: pa.Schema            # unified schema of the dataset
 
@@ -29,11 +33,45 @@ class Source:
         return sum(self.file_rows)
 
     def dataset(self) -> ds.Dataset:
-        return ds.dataset(list(self.files), format="parquet")
+        return _dataset(list(self.files))
+
+
+def _dataset(files: list[str]) -> ds.Dataset:
+    if files and is_remote(files[0]):
+        fs = locate(files[0])[0]
+        return ds.dataset([locate(f)[1] for f in files], filesystem=fs, format="parquet")
+    return ds.dataset(files, format="parquet")
+
+
+def _hidden(rel: str) -> bool:
+    return any(part.startswith((".", "_")) for part in rel.split("/"))
+
+
+def list_remote(uri: str) -> list[str]:
+    """Parquet files named by a remote URI (file, folder or glob), as URIs."""
+    fs, root = pafs.FileSystem.from_uri(uri)
+    if any(c in root for c in _GLOB_CHARS):
+        prefix = root[:min(root.find(c) for c in _GLOB_CHARS if c in root)].rsplit("/", 1)[0]
+        infos = fs.get_file_info(pafs.FileSelector(prefix, recursive=True, allow_not_found=True))
+        paths = [i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, root)]
+    elif fs.get_file_info(root).type == pafs.FileType.File:
+        paths = [root]
+    else:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+        paths = [i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")
+                 and not _hidden(i.path[len(root):].lstrip("/"))]
+    return [file_uri(uri, p) for p in paths]
 
 
 def list_files(path: str) -> list[str]:
     """Sorted Parquet files named by `path`; UserError when there are none."""
+    if is_remote(path):
+        files = list_remote(path)
+        if not files:
+            raise UserError(f"data.path {path!r} names no Parquet files (or does not exist)")
+        return sorted(files)
+    if is_uri(path):                      # file://
+        path = locate(path)[1]
     if any(c in path for c in _GLOB_CHARS):
         files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
     elif os.path.isdir(path):
@@ -50,6 +88,6 @@ def list_files(path: str) -> list[str]:
 
 def open_source(path: str) -> Source:
     files = list_files(path)
-    dataset = ds.dataset(files, format="parquet")
+    dataset = _dataset(files)
     rows = tuple(fragment.metadata.num_rows for fragment in dataset.get_fragments())
     return Source(files=tuple(files), file_rows=rows, schema=dataset.schema)

@@ -80,6 +80,20 @@ def locate(path: str | Path, fs: pafs.FileSystem | None = None) -> tuple[pafs.Fi
     return pafs.LocalFileSystem(), os.path.abspath(str(path))
 
 
+def file_uri(base_uri: str, path: str) -> str:
+    """The URI of `path` on the filesystem of `base_uri`, keeping its query (S3 options):
+    ('s3://b/data?scheme=http', 'b/data/x.parquet') -> 's3://b/data/x.parquet?scheme=http'."""
+    scheme = base_uri.split("://", 1)[0]
+    query = base_uri.partition("?")[2]
+    return f"{scheme}://{path}" + (f"?{query}" if query else "")
+
+
+def open_parquet(path: str) -> pq.ParquetFile:
+    """A Parquet file by local path or URI."""
+    fs, where = locate(path)
+    return pq.ParquetFile(where, filesystem=fs)
+
+
 def _parent(path: str) -> str:
     return path.rsplit("/", 1)[0] if "/" in path else ""
 
