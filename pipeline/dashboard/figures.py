@@ -21,7 +21,8 @@ def styled(fig: go.Figure, title: str, x: str, y: str, height: int = 340) -> go.
     """The house layout. The title is kept in layout.meta and shown by the page above the chart
     (plotly's own title would sit under the mode bar)."""
     fig.update_layout(meta={"title": title}, template="plotly_white", height=height, showlegend=True,
-                      margin=dict(l=60, r=20, t=30, b=50), legend=dict(orientation="h", y=-0.22),
+                      margin=dict(l=60, r=20, t=40, b=50),
+                      legend=dict(orientation="h", x=0, y=1.02, xanchor="left", yanchor="bottom"),
                       hoverlabel=dict(align="left"))
     fig.update_xaxes(title_text=x)
     fig.update_yaxes(title_text=y)

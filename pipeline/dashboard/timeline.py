@@ -18,7 +18,8 @@ from pipeline.dashboard.figures import PALETTE, Rows, styled
 
 
 def short_actor(actor_id: Any) -> str:
-    return "gave up (no actor)" if not actor_id else f"actor …{str(actor_id)[-6:]}"
+    """A Ray actor id's leading hex digits (its trailing ones are the job id, shared by all)."""
+    return "gave up (no actor)" if not actor_id else f"actor {str(actor_id)[:8]}"
 
 
 def run_start(rows: Rows) -> float | None:
@@ -92,7 +93,7 @@ def cost_figure(rows: Rows) -> go.Figure | None:
             _model_line(fig, f"fit over these samples ({device})", fitted, ctx, top, color, "solid")
     times = [s.verify_s for ss in by_device.values() for s in ss if s.verify_s > 0]
     if times and max(times) > 20 * min(times):     # spans orders of magnitude, as the fit assumes
-        fig.update_yaxes(type="log")
+        fig.update_yaxes(type="log", dtick=1)       # ticks at powers of ten only
     return styled(fig, "Verify cost model: measured verify time vs rows x tokens, with the fit",
                   "N = rows x tokens per row (gamma + 1)", "verify time (ms)")
 
