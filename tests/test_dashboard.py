@@ -228,3 +228,15 @@ def test_driver_hook_never_fails_the_run(runs, tmp_path, capsys):
     (runs["one"] / "report.html").unlink(missing_ok=True)
     write_dashboard(runs["one"])
     assert (runs["one"] / "report.html").is_file()
+
+
+def test_run_directory_given_as_a_uri(runs, tmp_path):
+    """output.dir may be a URI (pipeline.data.storage); file:// takes the same code path as s3://."""
+    import shutil
+
+    run_dir = tmp_path / "uri-run"
+    shutil.copytree(runs["failed"], run_dir)
+    (run_dir / "report.html").unlink(missing_ok=True)
+    written = write_report(run_dir.as_uri())
+    assert Path(written) == run_dir / "report.html" and 'id="problem-shards"' in Path(written).read_text()
+    assert len(load_run(run_dir.as_uri()).rows) == len(load_run(run_dir).rows) == 4
