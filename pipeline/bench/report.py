@@ -1,0 +1,129 @@
+"""bench.md (tables of ratios, the machine, the targets), bench.json and bench_plots.html."""
+from __future__ import annotations
+
+import json
+from itertools import groupby
+from pathlib import Path
+
+
+def _group_key(c: dict) -> tuple:
+    return (c["task"], c["temperature"], c["prompt_length"])
+
+
+def break_even_batch(cells: list[dict]) -> int | None:
+    """Smallest batch at which the best fixed gamma is 0 (speculation stops paying)."""
+    for c in sorted(cells, key=lambda c: c["batch"]):
+        fixed = {k: v["tokens_per_s"] for k, v in c["systems"].items() if k.startswith("gamma=")}
+        if fixed and max(fixed, key=fixed.get) == "gamma=0":
+            return c["batch"]
+    return None
+
+
+def check_targets(cells: list[dict]) -> list[tuple[str, bool, str]]:
+    """(target, met, evidence) for the targets the issue sets."""
+    out = []
+    worst_auto, worst_auto0, worst_g0 = (9.0, ""), (9.0, ""), (9.0, "")
+    for c in cells:
+        s = {k: v["tokens_per_s"] for k, v in c["systems"].items()}
+        where = f"{c['task']} T={c['temperature']} {c['prompt_length']} batch {c['batch']}"
+        fixed = [v for k, v in s.items() if k.startswith("gamma=")]
+        if "auto" in s and fixed:
+            worst_auto = min(worst_auto, (s["auto"] / max(fixed), where))
+            worst_auto0 = min(worst_auto0, (s["auto"] / s["gamma=0"], where))
+        if "transformers" in s and "gamma=0" in s:
+            worst_g0 = min(worst_g0, (s["gamma=0"] / s["transformers"], where))
+    if worst_auto[1]:
+        out.append(("auto >= 0.95 x best fixed gamma in every cell", worst_auto[0] >= 0.95,
+                    f"worst {worst_auto[0]:.2f} ({worst_auto[1]})"))
+        out.append(("auto never below gamma 0", worst_auto0[0] >= 1.0, f"worst {worst_auto0[0]:.2f} ({worst_auto0[1]})"))
+    if worst_g0[1]:
+        out.append(("gamma 0 >= transformers generate() at every batch size", worst_g0[0] >= 1.0,
+                    f"worst {worst_g0[0]:.2f} ({worst_g0[1]})"))
+    for task in ("complete", "json"):
+        at1 = [c for c in cells if c["task"] == task and c["batch"] == 1 and "transformers" in c["systems"]
+               and "auto" in c["systems"]]
+        if at1:
+            r = min(c["systems"]["auto"]["tokens_per_s"] / c["systems"]["transformers"]["tokens_per_s"] for c in at1)
+            out.append((f"auto >= 1.8 x transformers at batch 1 on {task}", r >= 1.8, f"worst {r:.2f}"))
+    return out
+
+
+def _fmt(x, spec=".0f"):
+    return "-" if x is None else format(x, spec)
+
+
+def write_markdown(result: dict, path: Path, machine: dict) -> str:
+    cells = result["cells"]
+    lines = ["# Benchmark", "", f"Machine: {machine['device']}; measured matmul {machine['flops'] / 1e9:.1f} GFLOP/s "
+             f"({machine['dtype']}), memory bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s. Model: {machine['model']} "
+             f"({machine['params'] / 1e6:.1f}M parameters). {machine['max_new_tokens']} new tokens per row, "
+             f"median of {machine['reps']} interleaved repetitions. Decode only: prefill is excluded from tokens/s "
+             "and reported apart. Cells: decode tokens/s (x transformers generate(), x engine gamma 0).",
+             "prompt_lookup is transformers' prompt-lookup decoding, which runs at batch 1 only.", ""]
+    lines += ["## Targets", "", "| target | met | evidence |", "|---|---|---|"]
+    lines += [f"| {t} | {'yes' if ok else '**no**'} | {ev} |" for t, ok, ev in check_targets(cells)]
+    for key, group in groupby(sorted(cells, key=_group_key), key=_group_key):
+        group = sorted(group, key=lambda c: c["batch"])
+        task, temp, length = key
+        batches = [c["batch"] for c in group]
+        names = list(dict.fromkeys(n for c in group for n in c["systems"]))
+        be = break_even_batch(group)
+        lines += ["", f"## {task}, temperature {temp}, {length} prompts (~{group[0]['prompt_tokens']:.0f} tokens)", "",
+                  f"Break-even batch (best fixed gamma becomes 0): {be if be else f'none up to {batches[-1]}'}.", "",
+                  "| system | " + " | ".join(f"batch {b}" for b in batches) + " | P50 / P95 ms per token (batch 1) |",
+                  "|---|" + "---|" * (len(batches) + 1)]
+        for name in names:
+            row = []
+            for c in group:
+                s = c["systems"].get(name)
+                if s is None:
+                    row.append("-")
+                    continue
+                hf = c["systems"].get("transformers", {}).get("tokens_per_s")
+                g0 = c["systems"].get("gamma=0", {}).get("tokens_per_s")
+                ratios = [f"{s['tokens_per_s'] / hf:.2f}x" if hf else "-", f"{s['tokens_per_s'] / g0:.2f}x" if g0 else "-"]
+                row.append(f"{s['tokens_per_s']:.0f} ({', '.join(ratios)})")
+            first = group[0]["systems"].get(name, {})
+            lat = f"{_fmt(first.get('p50_token_latency_ms'), '.1f')} / {_fmt(first.get('p95_token_latency_ms'), '.1f')}"
+            lines.append(f"| {name} | " + " | ".join(row) + f" | {lat} |")
+        roof = [f"batch {c['batch']}: gamma 0 {_fmt(_pct(c, 'gamma=0'))}%, auto {_fmt(_pct(c, 'auto'))}%" for c in group]
+        lines += ["", "Achieved fraction of the roofline (ideal decode time at the measured ceilings / actual): "
+                  + "; ".join(roof) + "."]
+        prefill = [f"batch {c['batch']}: {1000 * c['systems'].get('gamma=0', {}).get('prefill_s', 0):.0f} ms" for c in group]
+        lines += ["", "Engine prefill time (excluded above): " + "; ".join(prefill) + "."]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def _pct(cell: dict, name: str):
+    frac = cell["systems"].get(name, {}).get("roofline_fraction")
+    return None if frac is None else 100 * frac
+
+
+def write_plots(result: dict, path: Path) -> None:
+    """tokens/s against batch size per system, one panel per (task, temperature, prompt length)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    groups = [(k, sorted(g, key=lambda c: c["batch"])) for k, g in
+              groupby(sorted(result["cells"], key=_group_key), key=_group_key)]
+    fig = make_subplots(rows=len(groups), cols=1, subplot_titles=[f"{t}, T={temp}, {ln} prompts" for (t, temp, ln), _ in groups])
+    for i, (_, group) in enumerate(groups, start=1):
+        names = list(dict.fromkeys(n for c in group for n in c["systems"]))
+        for name in names:
+            pts = [(c["batch"], c["systems"][name]["tokens_per_s"]) for c in group if name in c["systems"]]
+            fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=name,
+                                     legendgroup=name, showlegend=i == 1), row=i, col=1)
+        fig.update_xaxes(type="log", title_text="batch size", row=i, col=1)
+        fig.update_yaxes(title_text="decode tokens/s", row=i, col=1)
+    fig.update_layout(height=380 * len(groups), title="Decode tokens/s against batch size")
+    fig.write_html(str(path), include_plotlyjs=True, full_html=True)
+
+
+def write_all(result: dict, out_dir: Path, machine: dict) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps({"machine": machine, "cells": result["cells"],
+                                                    "targets": check_targets(result["cells"])}, indent=2))
+    write_plots(result, out_dir / "bench_plots.html")
+    return write_markdown(result, out_dir / "bench.md", machine)

@@ -1,0 +1,115 @@
+"""The systems under test, each measured the same way: decode only.
+
+Decode time excludes prefill (reported apart): for the engine, the generate wall time less its
+prefill records; for transformers, a full generate less a generate of one new token (prefill
+plus the first token). Decode tokens are the generated tokens after each row's first, which
+comes from prefill in both. Per-token latency is the time per decode step divided by the
+tokens one row gets from that step (1 for plain decoding, the acceptance length with drafts).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Measurement:
+    decode_tokens: int
+    decode_s: float
+    prefill_s: float
+    token_latency_s: list[float] = field(default_factory=list)   # one per step (weights: rows)
+    mean_acceptance_length: float | None = None
+    roofline_s: float | None = None        # ideal decode time at the machine's ceilings
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(engine, prompts, params, gamma, roofline=None) -> Measurement:
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, gamma=gamma)
+    wall = time.perf_counter() - t0
+    stats = engine.last_stats
+    prefill = stats.prefill_time_s
+    latencies = [(s.verify_s + s.draft_s) / (s.emitted / s.rows) for s in stats.steps if s.emitted]
+    ideal = sum(roofline.step_s(s.rows * s.query_len) for s in stats.steps) if roofline else None
+    return Measurement(sum(len(o.token_ids) - 1 for o in outs if o.token_ids), wall - prefill, prefill,
+                       latencies, stats.mean_acceptance_length(), ideal)
+
+
+class _StepClock:
+    """A stopping criterion that never stops and timestamps every decode step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def run_transformers(model, prompts: list[list[int]], params, pad_id: int, eos_ids, lookup: int = 0) -> Measurement:
+    """transformers generate(), batched with left padding; `lookup` > 0: prompt-lookup decoding
+    (transformers' draft-free speculation, batch 1 only)."""
+    from transformers import StoppingCriteriaList
+
+    device = next(model.parameters()).device
+    ids, mask = _left_pad(prompts, pad_id, device)
+    kwargs = dict(attention_mask=mask, pad_token_id=pad_id, eos_token_id=list(eos_ids) or None)
+    if params.temperature > 0:
+        kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    else:
+        kwargs.update(do_sample=False)
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = lookup
+    torch.manual_seed(params.seed)
+    _sync(device)
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, **kwargs)
+    _sync(device)
+    prefill = time.perf_counter() - t0
+    clock = _StepClock()
+    torch.manual_seed(params.seed)
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=params.max_new_tokens, stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    new = out[:, ids.shape[1]:]
+    finished = torch.zeros(new.shape[0], dtype=torch.bool, device=new.device)
+    generated = 0
+    for j in range(new.shape[1]):                     # count up to and including EOS, not padding
+        generated += int((~finished).sum())
+        if eos_ids:
+            finished |= torch.isin(new[:, j], torch.tensor(list(eos_ids), device=new.device))
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    if lookup and steps:       # a lookup step can emit several tokens: spread the time over them
+        per_step = (new.shape[1] - 1) / max(len(steps), 1)
+        steps = [s / per_step for s in steps]
+    return Measurement(generated - len(prompts), max(wall - prefill, 1e-9), prefill, steps)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]

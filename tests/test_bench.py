@@ -1,0 +1,70 @@
+"""The benchmark job: the matrix runs every system on the same prompts and the report states
+ratios and targets from what was measured."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.bench.report import break_even_batch, check_targets, write_all
+from pipeline.bench.runner import BenchSpec, device_description, run_matrix
+from tests.tiny_models import tiny_checkpoint
+
+
+def _cell(batch, **tps):
+    return {"task": "complete", "temperature": 0.0, "prompt_length": "short", "batch": batch, "prompt_tokens": 10,
+            "systems": {k.replace("g", "gamma=") if k.startswith("g") and k[1:].isdigit() else k:
+                        {"tokens_per_s": v} for k, v in tps.items()}}
+
+
+def test_break_even_and_targets_from_constructed_cells():
+    cells = [_cell(1, transformers=100, g0=110, g2=250, auto=240),
+             _cell(8, transformers=600, g0=700, g2=650, auto=690)]
+    assert break_even_batch(cells) == 8
+    targets = {t: (ok, ev) for t, ok, ev in check_targets(cells)}
+    assert targets["auto >= 0.95 x best fixed gamma in every cell"][0] is True        # 240/250, 690/700
+    assert targets["auto never below gamma 0"][0] is False                             # 690 < 700 at batch 8
+    assert targets["gamma 0 >= transformers generate() at every batch size"][0] is True
+    assert targets["auto >= 1.8 x transformers at batch 1 on complete"] == (True, "worst 2.40")
+
+
+def test_quick_matrix_end_to_end(tmp_path):
+    model = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"task": ["complete"] * 4, "text": [f"def f{i}(a, b):\n    return a + b" for i in range(4)]}), data)
+    spec = BenchSpec(model_path=model, data_path=str(data), out_dir=str(tmp_path / "out"), batches=(1, 2),
+                     tasks=("complete",), temperatures=(0.0,), prompt_lengths=("short", "long"), long_prompt_tokens=40,
+                     gammas=(0, 2), prompt_lookup_tokens=2, max_new_tokens=6, reps=1, device="cpu")
+    result = run_matrix(spec, log=lambda *_: None)
+    cells = result["cells"]
+    assert len(cells) == 4
+    for c in cells:
+        expected = {"transformers", "gamma=0", "gamma=2", "auto"} | ({"prompt_lookup"} if c["batch"] == 1 else set())
+        assert set(c["systems"]) == expected
+        assert all(s["tokens_per_s"] > 0 for s in c["systems"].values())
+        assert c["systems"]["gamma=0"]["roofline_fraction"] > 0
+    long = [c for c in cells if c["prompt_length"] == "long"]
+    assert all(c["prompt_tokens"] >= 40 for c in long)
+    machine = {"device": device_description(result["engine"]), "dtype": "float32", "flops": result["roofline"].flops,
+               "bandwidth": result["roofline"].bandwidth, "params": result["roofline"].params, "model": "tiny",
+               "max_new_tokens": 6, "reps": 1}
+    text = write_all(result, tmp_path / "out", machine)
+    assert "| target | met | evidence |" in text and "Break-even batch" in text
+    saved = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert saved["cells"][0]["systems"]["gamma=0"]["tokens_per_s"] == cells[0]["systems"]["gamma=0"]["tokens_per_s"]
+    assert (tmp_path / "out" / "bench_plots.html").stat().st_size > 100_000      # plotly.js inlined
+
+
+def test_bench_quick_job_runs_through_hydra(tmp_path):
+    import subprocess
+    import sys
+
+    model = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"task": ["complete"] * 2, "text": ["def f(a):\n    return a", "def g(b):\n    return b"]}), data)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.run", "+job=bench_quick", f"model.path={model}",
+                           f"data.path={data}", f"output.dir={out}", "model.device=cpu", "bench.batches=[1]",
+                           "bench.gammas=[0,1]", "bench.max_new_tokens=4", "bench.prompt_lookup_tokens=0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "bench.md").exists() and "gamma=1" in (out / "bench.md").read_text()
