@@ -156,11 +156,11 @@ def test_auto_gamma_on_a_real_engine_calibrates_once_per_task(tmp_path):
 
     path = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=8)
-    rows = {"text": [f"the quick brown fox {i}" for i in range(48)]}
+    rows = {"text": [f"the quick brown fox {i}" for i in range(96)]}
     pq.write_table(pa.table(rows), tmp_path / "d.parquet")
     source = open_source(str(tmp_path / "d.parquet"))
     data = DataConfig(path=str(tmp_path / "d.parquet"), prompt_column="text")
-    shards = plan_shards(source, 24)
+    shards = plan_shards(source, 48)          # 48 rows: more than the 64 calibration row-steps
     priors = {}
     stats = []
     for shard in shards:
