@@ -12,16 +12,16 @@ from collections import deque
 
 import torch
 
+from pipeline.engine.costs import CostTracker
 from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.engine.params import RequestOutput, SamplingParams
+from pipeline.engine.profile import profile_costs
 from pipeline.engine.rows import Row
 from pipeline.engine.slots import Slots
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec import rng
 from pipeline.spec.acceptance import greedy_accept, rejection_sample
-from pipeline.engine.profile import profile_costs
-from pipeline.engine.costs import CostTracker
 from pipeline.spec.cost import CostModel
 from pipeline.spec.policy import GammaPolicy, GoodputPolicy, StepContext, make_policy
 from pipeline.spec.sampling import filtered_probs, sample
@@ -47,6 +47,7 @@ class Engine:
         self.stats = SpecStats()              # everything this engine measured, all calls
         self.last_stats = SpecStats()         # the last generate call alone
         self.costs = CostTracker()            # profile, measured steps, fitted cost model
+        self.last_policy: GammaPolicy | None = None   # its .decisions explain each step's gamma
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
@@ -99,7 +100,7 @@ class Engine:
         if row_keys is not None and len(row_keys) != len(prompts):
             raise ValueError(f"row_keys has {len(row_keys)} entries for {len(prompts)} prompts")
         policy = self._resolve_policy(gamma)
-        self.last_policy = policy             # its .decisions explain each step's gamma
+        self.last_policy = policy
         rows = [self._make_row(i, p, params) for i, p in enumerate(prompts)]
         for row, key in zip(rows, row_keys or ()):
             row.key = int(key)
