@@ -51,9 +51,11 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
-                        gamma_max: int = 5) -> "Engine":
+                        gamma_max: int = 5, allow_pickle: bool = False) -> "Engine":
+        """allow_pickle: load *.bin/*.pt weights when there are no safetensors (off: refused)."""
         dev = resolve_device(device)
-        loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev), fuse=True)
+        loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev), fuse=True,
+                            allow_pickle=allow_pickle)
         tokenizer = None
         try:
             from transformers import AutoTokenizer

@@ -40,18 +40,33 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return getattr(torch, str(dtype))
 
 
-def read_tensors(root: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint's safetensors files. Pickle checkpoints are refused."""
+def read_tensors(root: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint's safetensors files. Pickle checkpoints (*.bin, *.pt) are
+    refused unless `allow_pickle` (config `model.allow_pickle`), and even then they are read
+    with torch.load(weights_only=True), which unpickles tensors and containers only."""
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        pickles = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
-        hint = f" (found pickle weights {pickles}; convert them to safetensors)" if pickles else ""
+        pickles = sorted(root.glob("*.bin")) + sorted(root.glob("*.pt"))
+        if pickles and allow_pickle:
+            return _read_pickles(pickles)
+        hint = (f" (found pickle weights {[p.name for p in pickles]}: convert them to safetensors, "
+                "or set model.allow_pickle=true if you trust them)") if pickles else ""
         raise FileNotFoundError(f"no *.safetensors weights in {root}{hint}")
     tensors = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
                 tensors[key] = fh.get_tensor(key)
+    return tensors
+
+
+def _read_pickles(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in files:
+        state = torch.load(str(f), map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"{f} does not hold a state dict of tensors")
+        tensors.update(state)
     return tensors
 
 
@@ -67,16 +82,17 @@ def split_mtp(tensors: dict[str, torch.Tensor], num_layers: int):
     return target, [heads[k] for k in sorted(heads)]
 
 
-def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False) -> LoadedModel:
+def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
+               allow_pickle: bool = False) -> LoadedModel:
     """fuse: merge q|k|v and gate|up projections for inference (the modules then no longer
-    carry checkpoint names; keep False to train or save)."""
+    carry checkpoint names; keep False to train or save). allow_pickle: see read_tensors."""
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"model.path {root} is not a checkpoint directory (no config.json there)")
     dev = resolve_device(device) if isinstance(device, str) else device
     dt = resolve_dtype(dtype, dev)
     hf_config = AutoConfig.from_pretrained(str(root), trust_remote_code=False)
-    tensors = read_tensors(root)
+    tensors = read_tensors(root, allow_pickle=allow_pickle)
     tensors = _convert_foreign_mtp_layouts(tensors, hf_config)
     cfg = ModelConfig.from_hf(hf_config)
     target_sd, head_sds = split_mtp(tensors, cfg.num_layers)
