@@ -36,9 +36,12 @@ class ModelConfig:
     path: str = ""                 # HF checkpoint directory
     device: str = "auto"           # auto | cpu | cuda | cuda:N
     dtype: str = "auto"            # auto | float32 | bfloat16 | float16
+    allow_pickle: bool = False     # load *.bin/*.pt weights when there are no safetensors
 
     def __post_init__(self) -> None:
         _check(isinstance(self.path, str) and self.path != "", "model.path must be a non-empty path")
+        _check(isinstance(self.allow_pickle, bool),
+               f"model.allow_pickle must be true or false, got {self.allow_pickle!r}")
         _check(self.device == "auto" or self.device == "cpu" or str(self.device).startswith("cuda"),
                f"model.device must be auto, cpu or cuda[:N], got {self.device!r}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -103,8 +106,11 @@ class SamplingConfig:
     top_k: int = 0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    truncate_prompt: bool = False  # over-long prompts keep their last tokens (else an error row)
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.truncate_prompt, bool),
+               f"sampling.truncate_prompt must be true or false, got {self.truncate_prompt!r}")
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
                f"sampling.max_new_tokens must be an int > 0, got {self.max_new_tokens!r}")
         _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
@@ -174,10 +180,15 @@ class RunConfig:
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     job: JobConfig = field(default_factory=JobConfig)
-    resume: bool = False
+    resume: bool = False          # skip the shards already committed under output.dir
+    overwrite: bool = False       # delete what a previous run left in output.dir and start over
 
     def __post_init__(self) -> None:
         _check(isinstance(self.resume, bool), f"resume must be true or false, got {self.resume!r}")
+        _check(isinstance(self.overwrite, bool),
+               f"overwrite must be true or false, got {self.overwrite!r}")
+        _check(not (self.resume and self.overwrite),
+               "resume=true keeps a run's shards and overwrite=true deletes them: pass one")
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "RunConfig":
@@ -188,7 +199,7 @@ class RunConfig:
         """
         sections = {}
         for f in dataclasses.fields(cls):
-            if f.name == "resume":
+            if f.name in _FLAGS:
                 continue
             section_cls = _SECTIONS[f.name]
             values = dict(raw.get(f.name) or {})
@@ -203,19 +214,55 @@ class RunConfig:
                 sections[f.name] = section_cls(**values)
             except TypeError as exc:  # wrong value kind that dataclass itself rejects
                 raise ConfigError(f"{f.name}: {exc}") from exc
-        return cls(resume=raw.get("resume", False), **sections)
+        return cls(**{k: raw.get(k, False) for k in _FLAGS}, **sections)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def hash(self) -> str:
-        """Short hash of everything that affects the outputs (not output.dir, resume, cluster)."""
+    def hashed_dict(self) -> dict[str, Any]:
+        """The settings that affect the outputs (not output.dir, resume, overwrite, cluster, job,
+        model.allow_pickle). Keys added later are left out at their defaults, so a run directory
+        written before they existed still resumes."""
         d = self.to_dict()
-        for key in ("resume", "cluster", "job"):
+        for key in (*_FLAGS, "cluster", "job"):
             d.pop(key, None)
         d["output"].pop("dir", None)
-        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        d["model"].pop("allow_pickle", None)
+        for section, key, default in _ADDED_LATER:
+            if d[section].get(key) == default:
+                d[section].pop(key)
+        return json.loads(json.dumps(d, default=str))
+
+    def hash(self) -> str:
+        """Short hash of `hashed_dict()`: a resume must match it."""
+        blob = json.dumps(self.hashed_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """What differs between two nested dicts, one 'key: old -> new' per leaf, e.g.
+    config_diff({"sampling": {"seed": 0}}, {"sampling": {"seed": 7}}) == ["sampling.seed: 0 -> 7"].
+    A key only one side has shows as '(unset)' on the other."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+        name = f"{prefix}{key}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_diff(a, b, f"{name}.")
+        elif a != b:
+            out.append(f"{name}: {_show(a)} -> {_show(b)}")
+    return out
+
+
+_UNSET = object()
+
+
+def _show(value: Any) -> str:
+    return "(unset)" if value is _UNSET else repr(value)
+
+
+_FLAGS = ("resume", "overwrite")        # top-level run flags; not sections
+_ADDED_LATER = (("sampling", "truncate_prompt", False),)
 
 
 _SECTIONS = {

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.data.storage import (Where, locate, list_names, open_store, remove_temp,
+from pipeline.data.storage import (Where, is_file, locate, list_names, open_store, remove_temp,
                                    write_bytes_atomic, write_table_atomic)
 
 OUTPUTS = "outputs"
@@ -79,6 +79,20 @@ def part_stats(path: str | Path, fs: pafs.FileSystem | None = None) -> list[dict
     fs, where = locate(path, fs)
     meta = pq.read_schema(where, filesystem=fs).metadata or {}
     return json.loads(meta[STATS_KEY]) if STATS_KEY in meta else []
+
+
+def clear_run(run_dir: Where) -> int:
+    """Delete what a run wrote into `run_dir` (parts, stats, manifest, report; `overwrite=true`);
+    returns how many files. Anything else there (Hydra's .hydra/, the user's files) stays."""
+    store = open_store(run_dir)
+    removed = remove_temp_files(store)
+    doomed = [f"{store.path(OUTPUTS)}/{part_name(i)}" for i in committed_shards(store)]
+    doomed += [store.path(STATS, "shards.parquet"), store.path(MANIFEST), store.path("report.html")]
+    for path in doomed:
+        if is_file(store.fs, path):
+            store.fs.delete_file(path)
+            removed += 1
+    return removed
 
 
 def remove_temp_files(run_dir: Where) -> int:

@@ -18,9 +18,9 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from pipeline.config import RunConfig, UserError
-from pipeline.data.commit import (OUTPUTS, commit_part, committed_shards, part_name, part_stats,
-                                  remove_temp_files)
+from pipeline.config import RunConfig, UserError, config_diff
+from pipeline.data.commit import (OUTPUTS, clear_run, commit_part, committed_shards, part_name,
+                                  part_stats, remove_temp_files)
 from pipeline.data.manifest import (now_iso, package_versions, read_manifest, shard_entries,
                                     totals, write_manifest)
 from pipeline.data.outputs import write_stats
@@ -105,19 +105,23 @@ class RunRecord:
 
 
 def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
-    """Plan the run and prepare `output.dir`: a fresh directory, or resume=true over the same
-    plan and config (committed shards are kept and skipped)."""
+    """Plan the run and prepare `output.dir`: a fresh directory, resume=true over the same
+    plan and config (committed shards are kept and skipped), or overwrite=true (what a previous
+    run left there is deleted first). Every input check comes before anything is written."""
     source = open_source(cfg.data.path)
     check_columns(source.schema, cfg.data, cfg.output.keep_columns)
     plan = plan_shards(source, cfg.shards.rows_per_shard, cfg.data.limit,
                        cfg.data.task_column, cfg.data.tasks)
     store = open_store(cfg.output.dir)
     run_dir = Path(store.root) if store.is_local else store.uri
+    if cfg.overwrite:
+        clear_run(store)
     committed = committed_shards(store)
     previous = read_manifest(store)
     if committed and not cfg.resume:
         raise UserError(f"{run_dir} already holds {len(committed)} committed shard(s); "
-                        "pass resume=true to finish that run, or choose another output.dir")
+                        "pass resume=true to finish that run, overwrite=true to delete it and "
+                        "start over, or choose another output.dir")
     if cfg.resume and previous is not None:
         _check_same_run(previous, cfg, plan, run_dir)
     unknown = sorted(set(committed) - {s.shard_id for s in plan})
@@ -130,6 +134,7 @@ def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
         "resumed_at": now_iso() if cfg.resume and previous else None,
         "config": resolved_config,
         "config_hash": cfg.hash(),
+        "hashed_config": cfg.hashed_dict(),     # what a resume must match (see _check_same_run)
         "versions": package_versions(),
         "data": {"files": len(source.files), "dataset_rows": source.total_rows},
         "plan": {"rows_per_shard": cfg.shards.rows_per_shard, "num_shards": len(plan),
@@ -146,11 +151,25 @@ def open_run(cfg: RunConfig, resolved_config: dict[str, Any]) -> RunRecord:
 
 def _check_same_run(previous: dict, cfg: RunConfig, plan: list[Shard], run_dir: Path) -> None:
     if previous.get("config_hash") != cfg.hash():
-        raise UserError(f"resume=true but the config differs from the run in {run_dir} "
-                        f"(hash {previous.get('config_hash')} vs {cfg.hash()}); "
-                        "resume with the same settings or choose another output.dir")
+        changes = config_diff(_previous_settings(previous), cfg.hashed_dict())
+        what = "; ".join(changes) if changes else (
+            f"hash {previous.get('config_hash')} vs {cfg.hash()}")
+        raise UserError(f"resume=true but the config differs from the run in {run_dir}: {what}. "
+                        "Resume with that run's settings, choose another output.dir, or pass "
+                        "overwrite=true (instead of resume=true) to delete that run and start over")
     planned = [{k: e[k] for k in ("shard_id", "start", "stop", "num_rows")}
                for e in previous.get("shards", [])]
     if planned and planned != [s.to_dict() for s in plan]:
         raise UserError(f"resume=true but the shard plan differs from the run in {run_dir}; "
-                        "did the dataset change?")
+                        "did the dataset change? (overwrite=true starts over)")
+
+
+def _previous_settings(previous: dict) -> dict:
+    """The output-affecting settings a run directory's manifest records (older manifests hold
+    only the resolved config, from which they are rebuilt); {} when neither is readable."""
+    if isinstance(previous.get("hashed_config"), dict):
+        return previous["hashed_config"]
+    try:
+        return RunConfig.from_dict(previous.get("config") or {}).hashed_dict()
+    except (ValueError, TypeError, KeyError):
+        return {}
