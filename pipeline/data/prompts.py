@@ -36,7 +36,16 @@ def check_columns(schema: pa.Schema, data: DataConfig, keep_columns: tuple[str, 
     """UserError naming every configured column the dataset lacks."""
     missing = [c for c in needed_columns(data, keep_columns) if c not in schema.names]
     if missing:
-        raise UserError(f"data.path has no column(s) {missing}; it has {schema.names}")
+        named = [c for c in missing if data.template is not None and c in template_fields(data.template)]
+        why = f" (data.template {data.template!r} names {named})" if named else ""
+        raise UserError(f"data.path has no column(s) {missing}{why}; its columns are {schema.names}")
+    if data.template is None:
+        kind = schema.field(data.prompt_column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+                or str(kind) == "string_view"):
+            raise UserError(f"data.prompt_column {data.prompt_column!r} holds {kind}, not strings; "
+                            f"name a text column, or format this one with "
+                            f"data.template='{{{data.prompt_column}}}'")
 
 
 def build_prompts(table: pa.Table, data: DataConfig) -> tuple[list[str | None], list[str | None]]:

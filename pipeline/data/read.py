@@ -4,6 +4,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.config import UserError
 from pipeline.data.plan import Shard
 from pipeline.data.storage import open_parquet
 
@@ -55,6 +56,6 @@ def read_shard(files: tuple[str, ...], file_rows: tuple[int, ...], shard: Shard,
         mask = pc.fill_null(pc.is_in(table[task_column].cast(pa.string()), value_set=values), False)
         table = table.filter(mask)
     if table.num_rows != shard.num_rows:
-        raise RuntimeError(f"shard {shard.shard_id}: read {table.num_rows} rows, planned "
+        raise UserError(f"shard {shard.shard_id}: read {table.num_rows} rows, planned "
                            f"{shard.num_rows}; did the dataset change since the plan?")
     return table.select(list(dict.fromkeys(columns)) + [POSITION])

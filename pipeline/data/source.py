@@ -87,7 +87,21 @@ def list_files(path: str) -> list[str]:
 
 
 def open_source(path: str) -> Source:
-    files = list_files(path)
-    dataset = _dataset(files)
-    rows = tuple(fragment.metadata.num_rows for fragment in dataset.get_fragments())
-    return Source(files=tuple(files), file_rows=rows, schema=dataset.schema)
+    """The dataset's files, row counts and schema (footers only). A file that is missing,
+    unreadable or not Parquet is a UserError naming it."""
+    try:
+        files = list_files(path)
+        dataset = _dataset(files)
+    except _READ_ERRORS as exc:
+        raise UserError(f"data.path {path!r} cannot be read: {exc}") from None
+    rows = []
+    for fragment in dataset.get_fragments():
+        try:
+            rows.append(fragment.metadata.num_rows)
+        except _READ_ERRORS as exc:
+            raise UserError(f"data.path {path!r}: {fragment.path} is not a readable Parquet "
+                            f"file: {exc}") from None
+    return Source(files=tuple(files), file_rows=tuple(rows), schema=dataset.schema)
+
+
+_READ_ERRORS = (OSError, ValueError, pa.ArrowException)   # ArrowInvalid is a ValueError

@@ -21,7 +21,8 @@ def load_engine(model: ModelConfig, engine: EngineConfig) -> Any:
     from pipeline.engine import Engine
 
     return Engine.from_pretrained(model.path, device=model.device, dtype=model.dtype,
-                                  max_batch_size=engine.max_batch_size)
+                                  max_batch_size=engine.max_batch_size,
+                                  allow_pickle=model.allow_pickle)
 
 
 Loader = Callable[[ModelConfig, EngineConfig], Any]

@@ -18,6 +18,7 @@ from pipeline.data.record import RunRecord, open_run
 from pipeline.data.storage import is_uri
 from pipeline.dist.actor import Loader, actor_options, load_engine, start_actor
 from pipeline.dist.metrics import RunMetrics
+from pipeline.dist.narrow import Retries, Try, failures_tolerated
 from pipeline.dist.pool import ActorPool, ActorsKeepDying
 from pipeline.dist.progress import Progress
 from pipeline.dist.worker import ShardResult, ShardTask, failed_shard_result
@@ -69,9 +70,10 @@ def main(cfg: DictConfig) -> int:
     resolved.pop("hydra", None)
     run_cfg = RunConfig.from_dict(resolved)
     check_inputs(run_cfg)
+    record = open_run(run_cfg, resolved)    # every input check, before Ray starts
     started = start_ray(run_cfg.cluster)
     try:
-        manifest = run_generation(run_cfg, resolved)
+        manifest = run_generation(run_cfg, resolved, record=record)
     except ActorsKeepDying as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -105,12 +107,13 @@ def pool_size(cfg: RunConfig, use_gpus: bool, pending: int) -> int:
 
 
 def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = True,
-                   loader: str | Loader = load_engine) -> dict:
+                   loader: str | Loader = load_engine, record: RunRecord | None = None) -> dict:
     """Run every pending shard of `cfg` on a pool of actors; returns the final manifest.
-    `loader(model_cfg, engine_cfg)` builds each actor's engine (default: Engine.from_pretrained)."""
+    `loader(model_cfg, engine_cfg)` builds each actor's engine (default: Engine.from_pretrained);
+    `record`: the run as `open_run(cfg, resolved)` opened it (opened here when None)."""
     if not ray.is_initialized():
         raise RuntimeError("Ray is not running: start it first (pipeline.dist.driver.main does)")
-    record = open_run(cfg, resolved)
+    record = record or open_run(cfg, resolved)
     pending = record.pending()
     if not pending:
         record.save("finished")
@@ -120,16 +123,16 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     options = actor_options(use_gpus, cfg.cluster.gpus_per_actor, cfg.cluster.cpus_per_actor)
     size = pool_size(cfg, use_gpus, len(pending))
     pool = ActorPool(lambda: start_actor(cfg.model, cfg.engine, options, loader), size,
-                     max_deaths=size * cfg.shards.max_attempts)
+                     failures_tolerated(size, cfg.shards.max_attempts, cfg.shards.rows_per_shard))
+    retries = Retries(cfg.shards.max_attempts)
     bar = Progress(record.total_rows, record.done_rows, enabled=progress)
     metrics = RunMetrics(str(record.run_dir).rstrip("/").rsplit("/", 1)[-1])
     status = "failed"
     try:
         pool.wait_ready()
-        pool.run(pending, lambda shard, attempt: _task(cfg, record, shard, attempt),
-                 lambda shard, attempt, result: _commit(record, bar, shard, attempt, result, metrics),
-                 lambda shard, attempt, why: _give_up(cfg, record, bar, shard, attempt, why, metrics),
-                 cfg.shards.max_attempts)
+        pool.run([retries.first(s) for s in pending], lambda t: _task(cfg, record, t),
+                 lambda t, result: _done(record, bar, retries, t, result, metrics),
+                 lambda t, why: _failed(cfg, record, bar, retries, t, why, metrics))
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -154,13 +157,29 @@ def write_dashboard(run_dir: Path | str) -> None:
               file=sys.stderr)
 
 
-def _task(cfg: RunConfig, record: RunRecord, shard, attempt: int) -> ShardTask:
-    record.attempts[shard.shard_id] = attempt
-    return ShardTask(shard=shard, attempt=attempt, files=record.source.files,
+def _task(cfg: RunConfig, record: RunRecord, t: Try) -> ShardTask:
+    record.attempts[t.shard.shard_id] = t.attempt
+    return ShardTask(shard=t.shard, attempt=t.attempt, files=record.source.files,
                      file_rows=record.source.file_rows, data=cfg.data,
                      keep_columns=cfg.output.keep_columns, sampling=cfg.sampling,
                      gamma=cfg.spec.gamma, gamma_max=cfg.spec.gamma_max,
-                     output_dir=record.output_dir)
+                     output_dir=record.output_dir, probe=t.probe, bad_rows=t.bad_rows)
+
+
+def _done(record: RunRecord, bar: Progress, retries: Retries, t: Try, result: ShardResult,
+          metrics: RunMetrics | None) -> list[Try]:
+    if t.probe is None:
+        _commit(record, bar, t.shard, t.attempt, result, metrics)
+    return retries.passed(t)
+
+
+def _failed(cfg: RunConfig, record: RunRecord, bar: Progress, retries: Retries, t: Try,
+            why: str, metrics: RunMetrics | None) -> list[Try]:
+    follow = retries.failed(t, why)
+    if follow is None:
+        _give_up(cfg, record, bar, t, why, metrics)
+        return []
+    return follow
 
 
 def _commit(record: RunRecord, bar: Progress, shard, attempt: int, result: ShardResult,
@@ -174,7 +193,9 @@ def _commit(record: RunRecord, bar: Progress, shard, attempt: int, result: Shard
         metrics.observe(result.stats_rows, record.totals())
 
 
-def _give_up(cfg: RunConfig, record: RunRecord, bar: Progress, shard, attempt: int,
-             why: str, metrics: RunMetrics | None = None) -> None:
-    result = failed_shard_result(_task(cfg, record, shard, attempt), why)
-    _commit(record, bar, shard, attempt, result, metrics)
+def _give_up(cfg: RunConfig, record: RunRecord, bar: Progress, t: Try, why: str,
+             metrics: RunMetrics | None = None) -> None:
+    """Every row of the shard is written with `why`: no row is dropped."""
+    whole = Try(t.shard, t.attempt)
+    result = failed_shard_result(_task(cfg, record, whole), why)
+    _commit(record, bar, t.shard, t.attempt, result, metrics)

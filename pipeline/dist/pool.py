@@ -1,10 +1,9 @@
 """A pool of ShardWorker actors that takes shards as actors become free.
 
-Shards go to whichever actor is idle, so a fast actor takes more. A shard whose actor died or
-whose task raised is tried again (up to `max_attempts`); an actor that died is replaced. A
-shard that fails every attempt is handed to `on_give_up`, which writes its rows with the
-error, so no row is dropped. If actors keep dying (more deaths than the pool could plausibly
-survive) the run stops instead, uncommitted, for a later resume.
+Tries go to whichever actor is idle, so a fast actor takes more. What follows a try that
+failed (its actor died, or its task raised) is the caller's choice (narrow.py: retry, then
+narrow down to the bad rows, then give up); an actor that died is replaced. If tries keep
+failing (more in a row than narrowing down explains) the run stops instead, for a later resume.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from pipeline.config import UserError
-from pipeline.data.plan import Shard
+from pipeline.dist.narrow import Try
 from pipeline.dist.worker import ShardResult, ShardTask
 
 
@@ -31,14 +30,18 @@ def start_error(text: str) -> str:
 
 
 class ActorsKeepDying(RuntimeError):
-    """More actor deaths than the pool tolerates; the run stops and can be resumed."""
+    """More failed tries in a row than the pool tolerates; the run stops and can be resumed."""
 
 
 class ActorPool:
-    def __init__(self, spawn: Callable[[], Any], size: int, max_deaths: int) -> None:
+    """`max_failures_in_a_row`: failed tries (actor deaths or tasks that raised) with no
+    success between them after which `run` raises ActorsKeepDying (see narrow.py)."""
+
+    def __init__(self, spawn: Callable[[], Any], size: int, max_failures_in_a_row: int) -> None:
         self.spawn = spawn
         self.actors = [spawn() for _ in range(size)]
-        self.max_deaths = max_deaths
+        self.max_failures_in_a_row = max_failures_in_a_row
+        self.failures_in_a_row = 0
         self.deaths = 0
 
     def wait_ready(self) -> list[dict]:
@@ -50,42 +53,47 @@ class ActorPool:
 
     def replace(self, actor: Any) -> Any:
         self.deaths += 1
-        if self.deaths > self.max_deaths:
-            raise ActorsKeepDying(f"{self.deaths} actors died; stopping (resume=true continues)")
         ray.kill(actor, no_restart=True)
         fresh = self.spawn()
         self.actors = [fresh if a is actor else a for a in self.actors]
         return fresh
 
-    def run(self, shards: list[Shard], make_task: Callable[[Shard, int], ShardTask],
-            on_done: Callable[[Shard, int, ShardResult], None],
-            on_give_up: Callable[[Shard, int, str], None], max_attempts: int) -> None:
-        queue = deque((shard, 1) for shard in shards)
+    def run(self, tries: list[Try], make_task: Callable[[Try], ShardTask],
+            on_done: Callable[[Try, ShardResult], list[Try]],
+            on_failed: Callable[[Try, str], list[Try]]) -> None:
+        """Run every try on whichever actor is idle; the callbacks return the tries that follow
+        (retries first in line). A dead actor is replaced; a UserError raised in a task (the
+        input cannot be read) stops the run."""
+        queue = deque(tries)
         idle = list(self.actors)
-        running: dict[Any, tuple[Any, Shard, int]] = {}
+        running: dict[Any, tuple[Any, Try]] = {}
         while queue or running:
             while idle and queue:
-                shard, attempt = queue.popleft()
+                t = queue.popleft()
                 actor = idle.pop()
-                running[actor.run.remote(make_task(shard, attempt))] = (actor, shard, attempt)
+                running[actor.run.remote(make_task(t))] = (actor, t)
             [ref], _ = ray.wait(list(running), num_returns=1)
-            actor, shard, attempt = running.pop(ref)
+            actor, t = running.pop(ref)
             try:
                 result = ray.get(ref)
             except RayActorError as exc:
                 idle.append(self.replace(actor))
-                failure = f"actor died on attempt {attempt}: {exc}"
+                failure = f"actor died on attempt {t.attempt}: {exc}"
+            except UserError as exc:   # Ray re-raises the task's exception as its own type
+                raise UserError(str(getattr(exc, "cause", None) or exc)) from None
             except Exception as exc:  # the task raised inside a live actor
                 idle.append(actor)
-                failure = f"attempt {attempt} raised: {exc}"
+                failure = f"attempt {t.attempt} raised: {exc}"
             else:
                 idle.append(actor)
-                on_done(shard, attempt, result)
+                self.failures_in_a_row = 0
+                queue.extend(on_done(t, result))
                 continue
-            if attempt < max_attempts:
-                queue.appendleft((shard, attempt + 1))
-            else:
-                on_give_up(shard, attempt, failure)
+            self.failures_in_a_row += 1
+            if self.failures_in_a_row > self.max_failures_in_a_row:
+                raise ActorsKeepDying(f"{self.failures_in_a_row} tries failed in a row (the last: "
+                                      f"{failure[:300]}); stopping (resume=true continues)")
+            queue.extendleft(reversed(on_failed(t, failure)))
 
     def shutdown(self) -> None:
         for actor in self.actors:

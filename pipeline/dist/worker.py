@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from pipeline.config import DataConfig, SamplingConfig
+from pipeline.config import DataConfig, SamplingConfig, UserError
 from pipeline.data.commit import commit_part
 from pipeline.data.outputs import error_results, output_table
 from pipeline.data.plan import Shard
@@ -38,6 +38,8 @@ class ShardTask:
     gamma: int | str                  # spec.gamma: 'auto' or an int >= 0
     gamma_max: int = 5                # spec.gamma_max: caps 'auto'
     output_dir: str | None = None     # run directory (path or URI) the actor commits to; None: return rows
+    probe: tuple[int, int] | None = None   # only rows [lo, hi) of the shard, output discarded (narrow.py)
+    bad_rows: tuple[tuple[int, str], ...] = ()   # (row of the shard, error): written, not generated
 
 
 @dataclass
@@ -50,6 +52,8 @@ class ShardResult:
 def commit_result(task: ShardTask, result: ShardResult) -> ShardResult:
     """Commit the shard's part to `task.output_dir` from where it was generated (the actor),
     and hand back only its stats: output rows never travel through the driver."""
+    if task.probe is not None:            # a probe only tells whether its rows can be generated
+        return ShardResult(None, [], result.table.num_rows)
     if task.output_dir is None or result.table is None:
         return result
     table = result.table
@@ -130,7 +134,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
 
     params = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                             top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
-                            stop=tuple(sampling.stop))
+                            stop=tuple(sampling.stop), truncate_prompt=sampling.truncate_prompt)
     policy = gamma
     if gamma == "auto" and getattr(engine, "num_mtp_heads", 0) and hasattr(engine, "auto_policy"):
         policy = engine.auto_policy(prior=prior)
@@ -167,10 +171,10 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
     priors = {} if priors is None else priors
     if hasattr(engine, "gamma_max"):
         engine.gamma_max = task.gamma_max
-    columns = needed_columns(task.data, task.keep_columns)
-    table = read_shard(task.files, task.file_rows, task.shard, columns,
-                       task.data.task_column, task.data.tasks)
+    table = read_task_rows(task)
     prompts, errors = build_prompts(table, task.data)
+    for i, why in task.bad_rows:
+        errors[i] = why
     results: list[dict | None] = [None] * table.num_rows
     stats_rows = []
     ids = row_ids(table, task.data)
@@ -203,11 +207,33 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
     return ShardResult(out, stats_rows)
 
 
+def read_task_rows(task: ShardTask) -> pa.Table:
+    """The task's input rows (the probe's slice of the shard); an input that cannot be read is
+    a UserError naming the rows and files, which stops the run (no retry reads it better)."""
+    try:
+        table = read_shard(task.files, task.file_rows, task.shard,
+                           needed_columns(task.data, task.keep_columns),
+                           task.data.task_column, task.data.tasks)
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        files = [f for f, start, n in _file_spans(task) if start < task.shard.stop and start + n > task.shard.start]
+        raise UserError(f"cannot read rows [{task.shard.start}, {task.shard.stop}) of data.path "
+                        f"(in {files}): {exc}") from None
+    if task.probe is not None:
+        lo, hi = task.probe
+        table = table.slice(lo, hi - lo)
+    return table
+
+
+def _file_spans(task: ShardTask):
+    start = 0
+    for f, n in zip(task.files, task.file_rows):
+        yield f, start, n
+        start += n
+
+
 def failed_shard_result(task: ShardTask, message: str) -> ShardResult:
     """Output rows for a shard that failed every attempt: each row carries the error."""
-    columns = needed_columns(task.data, task.keep_columns)
-    table = read_shard(task.files, task.file_rows, task.shard, columns,
-                       task.data.task_column, task.data.tasks)
+    table = read_task_rows(task)
     prompts, _ = build_prompts(table, task.data)
     keep = table.select(list(task.keep_columns)) if task.keep_columns else None
     out = output_table(row_ids(table, task.data), prompts,
