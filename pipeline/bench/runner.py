@@ -89,7 +89,8 @@ def run_matrix(spec: BenchSpec, log=print) -> dict:
                                     gamma_max=max(spec.gammas))
     hf = None
     if spec.transformers:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=engine.dtype).to(engine.device).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=engine.dtype,
+                                                               trust_remote_code=False).to(engine.device).eval()
     tok = engine.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (engine.config.eos_token_ids or (0,))[0]
     roofline = measure_roofline(engine)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from pipeline.config import UserError
 from pipeline.data.storage import file_uri, is_remote, is_uri, locate
@@ -91,17 +92,25 @@ def open_source(path: str) -> Source:
     unreadable or not Parquet is a UserError naming it."""
     try:
         files = list_files(path)
-        dataset = _dataset(files)
     except _READ_ERRORS as exc:
         raise UserError(f"data.path {path!r} cannot be read: {exc}") from None
-    rows = []
-    for fragment in dataset.get_fragments():
+    try:
+        dataset = _dataset(files)
+        rows = tuple(fragment.metadata.num_rows for fragment in dataset.get_fragments())
+    except _READ_ERRORS as exc:
+        raise UserError(f"data.path {path!r}: {_unreadable(files, exc)}") from None
+    return Source(files=tuple(files), file_rows=rows, schema=dataset.schema)
+
+
+def _unreadable(files: list[str], exc: Exception) -> str:
+    """Which file could not be opened (footers are read one by one: this is the error path)."""
+    for f in files:
         try:
-            rows.append(fragment.metadata.num_rows)
-        except _READ_ERRORS as exc:
-            raise UserError(f"data.path {path!r}: {fragment.path} is not a readable Parquet "
-                            f"file: {exc}") from None
-    return Source(files=tuple(files), file_rows=tuple(rows), schema=dataset.schema)
+            fs, where = locate(f)
+            pq.ParquetFile(where, filesystem=fs).metadata
+        except _READ_ERRORS as file_exc:
+            return f"{f} is not a readable Parquet file: {file_exc}"
+    return f"cannot be read: {exc}"
 
 
 _READ_ERRORS = (OSError, ValueError, pa.ArrowException)   # ArrowInvalid is a ValueError

@@ -1,0 +1,132 @@
+"""Bad input: a clear message naming the problem, before Ray starts and before anything is
+written to output.dir; bad rows become error rows (or truncated rows) beside good rows."""
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipeline.config import SamplingConfig
+from pipeline.recipes import CONF_DIR
+from pipeline.run import register_resolvers, run_recipe
+from tests.tiny_models import tiny_checkpoint
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt")), arch="llama", num_mtp_layers=1,
+                           max_position_embeddings=48)
+
+
+def run(model, data, out, *overrides):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "job.name=t", "job.recipe=generate", f"model.path={model}", f"data.path={data}",
+            f"output.dir={out}", "cluster.cpus_per_actor=1", *overrides])
+    return run_recipe(cfg)
+
+
+def good_table(n=4):
+    return pa.table({"prompt": [f"the quick brown fox {i}" for i in range(n)],
+                     "text": [f"doc {i}" for i in range(n)], "n": list(range(n))})
+
+
+def good(path):
+    pq.write_table(good_table(), path)
+
+
+def corrupt(path):
+    path.write_bytes(b"this is not a parquet file at all")
+
+
+def truncated(path):
+    pq.write_table(good_table(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+CASES = [   # (name, how to make data.path, overrides, words the message must hold)
+    ("missing", None, [], ["nowhere.parquet", "does not exist"]),
+    ("corrupt", corrupt, [], ["d.parquet", "not a readable Parquet file"]),
+    ("truncated", truncated, [], ["d.parquet", "not a readable Parquet file"]),
+    ("missing column", good, ["data.prompt_column=question"],
+     ["['question']", "its columns are ['prompt', 'text', 'n']"]),
+    ("non-string prompt", good, ["data.prompt_column=n"],
+     ["data.prompt_column 'n' holds int64, not strings", "data.template='{n}'"]),
+    ("template column", good, ["data.template='Q: {question} {text}'"],
+     ["['question']", "data.template", "its columns are ['prompt', 'text', 'n']"]),
+    ("negative gamma", good, ["spec.gamma=-1"], ["spec.gamma", "-1"]),
+    ("zero batch", good, ["engine.max_batch_size=0"], ["engine.max_batch_size", "> 0"]),
+    ("negative temperature", good, ["sampling.temperature=-0.5"],
+     ["sampling.temperature", ">= 0"]),
+    ("resume and overwrite", good, ["resume=true", "overwrite=true"], ["pass one"]),
+]
+
+
+@pytest.mark.parametrize("name,make,overrides,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_a_message_and_nothing_is_written(model, tmp_path, capsys, name, make,
+                                                       overrides, words):
+    data = tmp_path / ("nowhere.parquet" if make is None else "d.parquet")
+    if make is not None:
+        make(data)
+    out = tmp_path / "run"
+    assert run(model, data, out, *overrides) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for word in words:
+        assert word in err
+    assert not ray.is_initialized()                       # refused before Ray started
+    written = [p for p in out.rglob("*") if ".hydra" not in p.parts] if out.exists() else []
+    assert written == []                                  # no manifest, outputs or stats
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_file_is_named(model, tmp_path, capsys):
+    data = tmp_path / "locked.parquet"
+    pq.write_table(good_table(), data)
+    data.chmod(0)
+    assert run(model, data, tmp_path / "run") == 1
+    assert "locked.parquet" in capsys.readouterr().err
+
+
+def test_the_corrupt_file_of_a_folder_is_named(model, tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    pq.write_table(good_table(), tmp_path / "in" / "a.parquet")
+    (tmp_path / "in" / "b.parquet").write_bytes(b"\0" * 64)
+    assert run(model, tmp_path / "in", tmp_path / "run") == 1
+    err = capsys.readouterr().err
+    assert "b.parquet" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_null_empty_and_long_prompts_are_error_rows_beside_good_rows(model, tmp_path, truncate):
+    from pipeline.data import open_source, plan_shards
+    from pipeline.config import DataConfig
+    from pipeline.dist.actor import load_engine
+    from pipeline.config import EngineConfig, ModelConfig
+    from pipeline.dist.worker import ShardTask, process_shard
+
+    long = "the quick brown fox jumps over the lazy dog " * 20      # far past 48 tokens
+    prompts = ["def add(a, b):", None, "", long, "the quick brown"]
+    pq.write_table(pa.table({"prompt": pa.array(prompts, pa.string())}), tmp_path / "d.parquet")
+    source = open_source(str(tmp_path / "d.parquet"))
+    shard = plan_shards(source, 8)[0]
+    engine = load_engine(ModelConfig(path=model, device="cpu"), EngineConfig(max_batch_size=2))
+    task = ShardTask(shard, 1, source.files, source.file_rows, DataConfig(path="x"), (),
+                     SamplingConfig(max_new_tokens=4, truncate_prompt=truncate), gamma=1)
+    table = process_shard(engine, task, {"device": "cpu", "threads": 1}).table
+    assert table["id"].to_pylist() == [0, 1, 2, 3, 4]
+    rows = table.to_pylist()
+    assert "is None" in rows[1]["error"] and "empty prompt" in rows[2]["error"]
+    assert all(r["finish_reason"] == "error" for r in rows[1:3])
+    for r in (rows[0], rows[4]):                          # good rows complete
+        assert r["error"] is None and r["finish_reason"] in ("stop", "length")
+        assert r["num_generated_tokens"] >= 1
+    if truncate:   # the long prompt keeps its last tokens and is generated too
+        assert rows[3]["error"] is None and 0 < rows[3]["num_prompt_tokens"] < 48
+    else:
+        assert rows[3]["finish_reason"] == "error" and "context is 48" in rows[3]["error"]
