@@ -1,6 +1,7 @@
 """An actor killed mid-shard by `ray.kill` (from the test, on the live actor's handle) costs only
 that shard: another or a restarted actor redoes it, and its `attempt` says so. (A shard that
 keeps failing because of one row: tests/test_dist_run.py::test_actor_deaths_lose_no_rows.)"""
+import json
 import sys
 import threading
 import time
@@ -97,3 +98,28 @@ def test_ray_kill_mid_shard_costs_only_that_shard(ray_session, tmp_path):
     assert stats[2]["actor_id"] != killed_id                        # redone elsewhere
     assert {e["shard_id"]: e["attempts"] for e in manifest["shards"]}[2] == 2
 
+
+
+def test_a_shard_that_cannot_be_read_stops_the_run_with_its_message(ray_session, tmp_path):
+    from pipeline.config import UserError
+    from pipeline.dist.driver import run_generation
+
+    model = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1)
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": [f"row {i} " * 50 for i in range(40)]}), path,
+                   compression="none", row_group_size=20)
+    raw = {"model": {"path": model}, "data": {"path": str(path)},
+           "output": {"dir": str(tmp_path / "run")}, "sampling": {"max_new_tokens": 2},
+           "spec": {"gamma": 0}, "shards": {"rows_per_shard": 20},
+           "cluster": {"num_actors": 1, "cpus_per_actor": 1}}
+    cfg = RunConfig.from_dict(raw)
+    data = bytearray(path.read_bytes())
+    start = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    data[start:start + 64] = b"\xff" * 64          # planning reads footers only: it still plans
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"cannot read rows \[20, 40\).*d\.parquet") as info:
+        run_generation(cfg, raw, progress=False)
+    assert "Traceback" not in str(info.value)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["status"] == "failed"
+    assert [s["status"] for s in manifest["shards"]] == ["committed", "pending"]

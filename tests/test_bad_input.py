@@ -130,3 +130,28 @@ def test_null_empty_and_long_prompts_are_error_rows_beside_good_rows(model, tmp_
         assert rows[3]["error"] is None and 0 < rows[3]["num_prompt_tokens"] < 48
     else:
         assert rows[3]["finish_reason"] == "error" and "context is 48" in rows[3]["error"]
+
+
+def test_a_shard_whose_rows_cannot_be_read_is_a_message_naming_the_file(tmp_path):
+    """Footer intact, a data page broken: planning succeeds, reading the shard is a UserError
+    (which stops the run: pipeline/dist/pool.py) naming the rows and the file."""
+    from pipeline.config import DataConfig, UserError
+    from pipeline.data import open_source, plan_shards
+    from pipeline.dist.worker import ShardTask, read_task_rows
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": [f"row {i} " * 50 for i in range(200)]}), path,
+                   compression="none", row_group_size=100)
+    source = open_source(str(path))
+    data = bytearray(path.read_bytes())
+    first_group = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    start = first_group.data_page_offset
+    data[start:start + 64] = b"\xff" * 64                  # the second row group's page header
+    path.write_bytes(bytes(data))
+    shards = plan_shards(source, 100)
+    task = ShardTask(shards[1], 1, source.files, source.file_rows, DataConfig(path="x"), (),
+                     SamplingConfig(), gamma=0)
+    with pytest.raises(UserError, match=r"cannot read rows \[100, 200\).*d\.parquet"):
+        read_task_rows(task)
+    assert read_task_rows(ShardTask(shards[0], 1, source.files, source.file_rows,
+                                    DataConfig(path="x"), (), SamplingConfig(), gamma=0)).num_rows == 100

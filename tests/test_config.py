@@ -69,3 +69,37 @@ def test_hash_ignores_run_dir_and_cluster_but_not_sampling():
     c = RunConfig.from_dict(base(sampling__seed=1))
     assert a.hash() == b.hash()
     assert a.hash() != c.hash()
+
+
+def test_hash_of_a_config_without_the_newer_keys_is_unchanged():
+    import hashlib
+    import json
+
+    cfg = RunConfig.from_dict(base(sampling__seed=3))
+    d = cfg.to_dict()                                       # the hash as runs before these keys wrote it
+    for key in ("resume", "overwrite", "cluster", "job"):
+        d.pop(key)
+    d["output"].pop("dir")
+    d["model"].pop("allow_pickle")
+    d["sampling"].pop("truncate_prompt")
+    old = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert cfg.hash() == old
+    assert RunConfig.from_dict(base(sampling__truncate_prompt=True)).hash() != RunConfig.from_dict(base()).hash()
+    assert RunConfig.from_dict(base(model__allow_pickle=True)).hash() == RunConfig.from_dict(base()).hash()
+
+
+def test_config_diff_names_each_change():
+    from pipeline.config import config_diff
+
+    a = RunConfig.from_dict(base()).hashed_dict()
+    b = RunConfig.from_dict(base(sampling__seed=7, data__template="Q: {q}", model__path="other")).hashed_dict()
+    assert config_diff(a, b) == ["data.template: None -> 'Q: {q}'", "model.path: 'm' -> 'other'",
+                                 "sampling.seed: 0 -> 7"]
+    assert config_diff({"x": {"y": 1}}, {"x": {}}) == ["x.y: 1 -> (unset)"]
+
+
+def test_resume_and_overwrite_exclude_each_other():
+    raw = base()
+    with pytest.raises(ConfigError, match="pass one"):
+        RunConfig.from_dict(raw | {"resume": True, "overwrite": True})
+    assert RunConfig.from_dict(raw | {"overwrite": True}).overwrite is True
