@@ -13,7 +13,11 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from pipeline.config import RunConfig
+from pipeline.data.outputs import error_results, output_table
+from pipeline.data.record import open_run
 from pipeline.recipes import CONF_DIR, REPO_ROOT
 from pipeline.run import register_resolvers, run_recipe
 from tests.tiny_models import tiny_checkpoint
@@ -140,20 +144,14 @@ def test_resume_with_other_settings_is_refused_naming_them(job, tmp_path, capsys
     overrides, _ = job
     run_dir = tmp_path / "run"
     small = [o for o in overrides if not o.startswith("output.dir")] + [f"output.dir={run_dir}"]
-    from pipeline.config import RunConfig
-    from pipeline.data.record import open_run
-    from omegaconf import OmegaConf
-
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         raw = OmegaConf.to_container(compose(config_name="config", overrides=small), resolve=True)
     record = open_run(RunConfig.from_dict(raw), raw)     # a run that committed one shard
-    from pipeline.dist.worker import failed_shard_result
-    from pipeline.dist.driver import _task
-    from pipeline.dist.narrow import Try
     shard = record.plan[0]
-    result = failed_shard_result(_task(RunConfig.from_dict(raw), record, Try(shard, 1)), "x")
-    record.commit(shard, result.table, result.stats_rows)
+    ids = pa.array([f"r{i:03d}" for i in range(shard.start, shard.stop)])
+    table = output_table(ids, ["p"] * shard.num_rows, error_results(shard.num_rows, "x"))
+    record.commit(shard, table, [{"shard_id": 0, "task": "default", "num_rows": shard.num_rows}])
     before = parts(run_dir)
     if change.startswith("model.path"):
         other = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1)
