@@ -142,6 +142,9 @@ def test_auto_gamma_fields_come_from_the_policy_decisions():
     stats = FakeStats(steps=[Step(5), Step(3), Step(3), Step(4)])
     fields = gamma_in_use(stats, "auto", Policy())
     assert fields["gamma"] == 3
+    calibrating_longer = Policy()
+    calibrating_longer.decisions = [Policy.decisions[0]] * 3 + Policy.decisions[1:]
+    assert gamma_in_use(FakeStats(steps=[Step(5)] * 3 + stats.steps[1:]), "auto", calibrating_longer)["gamma"] == 3
     assert fields["gamma_candidates"] == [0, 1, 2, 3]
     assert fields["predicted_goodput"] == [300.0, 600.0, 800.0, 900.0]
     assert "gamma=3 predicts 900" in fields["gamma_reason"]

@@ -92,9 +92,9 @@ def output_result(out: Any) -> dict:
 
 
 def gamma_in_use(engine_stats: Any, gamma: int | str, policy: Any = None) -> dict:
-    """The stats row's gamma fields. A fixed gamma is the config's. For 'auto': the gamma used
-    most often, the policy's reasoning for it, and the candidates with their predicted goodput
-    from its first measured decision (calibration steps are counted, not shown)."""
+    """The stats row's gamma fields. A fixed gamma is the config's. For 'auto': the gamma the
+    policy chose most often once calibrated (calibration steps are counted, not chosen), its
+    reasoning, and the candidates with their predicted goodput from that decision."""
     if gamma != "auto":
         return {"gamma": int(gamma), "gamma_reason": f"fixed by config (spec.gamma={gamma})",
                 "gamma_candidates": [], "predicted_goodput": []}
@@ -106,7 +106,8 @@ def gamma_in_use(engine_stats: Any, gamma: int | str, policy: Any = None) -> dic
     if not decided:
         reason = getattr(policy, "reason", None) or (decisions[-1].reason if decisions else "no steps")
         return {"gamma": chosen, "gamma_reason": f"auto: {reason}", "gamma_candidates": [], "predicted_goodput": []}
-    rep = next((d for d in decided if d.gamma == chosen), decided[0])
+    chosen = Counter(d.gamma for d in decided).most_common(1)[0][0]
+    rep = next(d for d in decided if d.gamma == chosen)
     notes = [f"auto: {rep.reason}"]
     calibrating = len(decisions) - len(decided)
     if calibrating:
