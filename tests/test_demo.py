@@ -120,3 +120,21 @@ def test_shipped_model_loads_with_transformers_and_engine():
         want = model(input_ids=ids).logits
         got = loaded.target.logits(loaded.target.forward_full(ids))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_base_training_resumes_from_its_checkpoint(tmp_path):
+    from pipeline.demo.train_base import BaseModelSpec, train_base_model
+    from pipeline.model.tiny import make_tiny_tokenizer
+    torch.set_num_threads(1)
+    tok = make_tiny_tokenizer(128)
+    exs = [Example([1] + [(7 * i + j) % 120 + 3 for j in range(20)] + [2], 1) for i in range(40)]
+    ms = BaseModelSpec(vocab_size=128, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64, max_position_embeddings=64)
+    spec = BaseTrainSpec(steps=2, batch_size=2, block_len=64, warmup=1, save_every=1, bf16=False)
+    logs = []
+    train_base_model(exs, tok, tmp_path / "a", tmp_path / "work", ms, spec, log=logs.append)
+    train_base_model(exs, tok, tmp_path / "b", tmp_path / "work", ms,
+                     BaseTrainSpec(**{**spec.__dict__, "steps": 4}), log=logs.append)
+    assert any("resuming base training at step 2/4" in line for line in logs)
+    state = torch.load(tmp_path / "work" / "base_train.pt", weights_only=True)
+    assert state["step"] == 4 and (tmp_path / "b" / "model.safetensors").exists()

@@ -28,6 +28,7 @@ class BuildSpec:
     heldout_percent: int = 15         # percent of functions held out (by a stable hash)
     seed: int = 0
     threads: int = 2
+    device: str = "cpu"               # cpu | cuda | auto (base, sft and MTP training, evaluation)
     base: dict = field(default_factory=dict)       # BaseTrainSpec overrides
     sft: dict = field(default_factory=dict)        # SFT_SPEC overrides (task fine-tuning)
     model: dict = field(default_factory=dict)      # BaseModelSpec overrides
@@ -44,7 +45,9 @@ def build(spec: BuildSpec, log=print) -> dict:
     from pipeline.demo.train_base import (SFT_SPEC, BaseModelSpec, BaseTrainSpec, sft_examples,
                                           train_base_model)
 
+    from pipeline.model.loader import resolve_device
     torch.set_num_threads(spec.threads)
+    dev = resolve_device(spec.device)
     work = Path(spec.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     times, t0 = {}, time.time()
@@ -70,14 +73,15 @@ def build(spec: BuildSpec, log=print) -> dict:
         train_spec = BaseTrainSpec(**{"seed": spec.seed, **spec.base})
         tokenizer, examples = _examples(tok_dir, records, train_spec.block_len)
         log(f"{len(examples)} training examples, {sum(len(e.ids) for e in examples)} tokens")
-        train_base_model(examples, tokenizer, base_dir, work, model_spec, train_spec, log=log)
+        train_base_model(examples, tokenizer, base_dir, work, model_spec, train_spec, log=log,
+                         device=str(dev))
         times["base"] = time.time() - t
     if "sft" in spec.stages and not (sft_dir / "config.json").exists():
         t = time.time()
         sft_spec = replace(SFT_SPEC, **{"seed": spec.seed, **spec.sft})
         tokenizer, examples = _examples(tok_dir, records, sft_spec.block_len)
         train_base_model(sft_examples(examples), tokenizer, sft_dir, work, model_spec, sft_spec,
-                         log=log, init_dir=base_dir, name="sft")
+                         log=log, init_dir=base_dir, name="sft", device=str(dev))
         times["sft"] = time.time() - t
     trained_dir = sft_dir if (sft_dir / "config.json").exists() else base_dir
     if "mtp" in spec.stages:
@@ -89,13 +93,14 @@ def build(spec: BuildSpec, log=print) -> dict:
         shutil.copytree(trained_dir, model_dir)
         mtp_spec = MTPTrainSpec(**{"seed": spec.seed, **spec.mtp})
         train_p, eval_p = stdlib_prompts(records, mtp_spec)
-        result["mtp"] = train_mtp_into(model_dir, train_p, eval_p, mtp_spec, work / "mtp", log=log)
+        result["mtp"] = train_mtp_into(model_dir, train_p, eval_p, mtp_spec, work / "mtp",
+                                       device=str(dev), log=log)
         times["mtp"] = time.time() - t
     if "eval" in spec.stages:
         from pipeline.demo.evaluate import evaluate_acceptance
         t = time.time()
         result["acceptance"] = evaluate_acceptance(Path(spec.model_dir), Path(spec.data_path), log=log,
-                                                   **spec.eval)
+                                                   **{"device": str(dev), **spec.eval})
         times["eval"] = time.time() - t
     result["total_s"] = time.time() - t0
     (work / "build_result.json").write_text(json.dumps(result, indent=2, default=str))

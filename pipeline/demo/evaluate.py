@@ -18,11 +18,12 @@ def load_rows(data_path: Path, task: str, limit: int) -> list[dict]:
 
 
 def evaluate_acceptance(model_dir: Path, data_path: Path, gamma: int = 3, rows_per_task: int = 64,
-                        max_new_tokens: int = 64, examples: int = 10, log=print) -> dict:
+                        max_new_tokens: int = 64, examples: int = 10, device: str = "cpu",
+                        log=print) -> dict:
     """{task: {acceptance_by_depth, mean_acceptance_length, rows, seconds, examples}}."""
     from pipeline.engine import Engine, SamplingParams
 
-    engine = Engine.from_pretrained(str(model_dir), device="cpu", dtype="float32", max_batch_size=32)
+    engine = Engine.from_pretrained(str(model_dir), device=device, dtype="float32", max_batch_size=32)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     out = {}
     for task in TASKS:

@@ -155,7 +155,7 @@ def _is_summary(e: Example) -> bool:
 def train_base_model(examples: list[Example], tokenizer, out_dir: Path, work_dir: Path,
                      model_spec: BaseModelSpec = BaseModelSpec(),
                      spec: BaseTrainSpec = BaseTrainSpec(), log=print, init_dir: Path | None = None,
-                     name: str = "base") -> Path:
+                     name: str = "base", device: str = "cpu") -> Path:
     """Train (or resume) and save a LlamaForCausalLM + tokenizer to out_dir. With init_dir, start
     from that checkpoint instead of a fresh model (the task fine-tuning phase)."""
     from tqdm import tqdm
@@ -166,6 +166,8 @@ def train_base_model(examples: list[Example], tokenizer, out_dir: Path, work_dir
         model = LlamaForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32)
     else:
         model = LlamaForCausalLM(llama_config(model_spec))
+    dev = torch.device(device)
+    model.to(dev)                                  # before the optimiser: its state follows params
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
@@ -186,9 +188,10 @@ def train_base_model(examples: list[Example], tokenizer, out_dir: Path, work_dir
     t0, ema = time.time(), None
     for step in bar:
         (ids, targets, weights), epoch = stream.batch(step)
+        ids, targets, weights = ids.to(dev), targets.to(dev), weights.to(dev)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, spec)
-        with torch.autocast("cpu" if not ids.is_cuda else "cuda", dtype=torch.bfloat16, enabled=spec.bf16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=spec.bf16):
             logits = model(input_ids=ids).logits
         loss = weighted_lm_loss(logits, targets, weights)
         opt.zero_grad(set_to_none=True)
@@ -207,6 +210,6 @@ def train_base_model(examples: list[Example], tokenizer, out_dir: Path, work_dir
     model.generation_config = GenerationConfig(bos_token_id=model.config.bos_token_id,
                                                eos_token_id=model.config.eos_token_id,
                                                pad_token_id=model.config.pad_token_id)
-    model.save_pretrained(str(out_dir))
+    model.cpu().save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
