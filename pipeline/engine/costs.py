@@ -12,6 +12,7 @@ Stale means re-profile before the next shard, for one of two measured reasons:
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 
 from pipeline.spec.cost import CostModel, fit_cost_model
@@ -29,7 +30,10 @@ class CostTracker:
         self.stale_reason: str | None = None
         self.profiles_taken = 0
         self._model: CostModel | None = None
-        self._fitted_at = -1
+        self._fit_s = 0.0                 # how long the last fit took
+        self._new_steps = 0               # steps seen since the last fit ...
+        self._new_work_s = 0.0            # ... and the step time they took
+        self._pending_seen = 0
 
     def needs_profile(self) -> bool:
         return not self.profile or self.stale_reason is not None
@@ -40,15 +44,24 @@ class CostTracker:
         self.ratios.clear()
         self.baseline_util, self.stale_reason = None, None
         self.profiles_taken += 1
-        self._model, self._fitted_at = None, -1
+        self._model = None
 
     def model(self, pending: list[StepRecord] = ()) -> CostModel | None:
-        """The fitted model over profile + observed + `pending` steps, refitted every
-        `refit_every` new steps (the online refinement)."""
-        n = len(self.steps) + len(pending)
-        if self._model is None or n - self._fitted_at >= self.refit_every:
+        """The fitted model over profile + observed + `pending` steps (the current call's).
+        Refitted (the online refinement) once `refit_every` new steps have run and their time
+        is at least 20x the last fit's, so refitting costs at most ~5% of decoding."""
+        if len(pending) < self._pending_seen:          # a new generate call
+            self._pending_seen = 0
+        for s in pending[self._pending_seen:]:
+            self._new_steps += 1
+            self._new_work_s += s.verify_s + s.draft_s
+        self._pending_seen = len(pending)
+        due = self._new_steps >= self.refit_every and self._new_work_s >= 20 * self._fit_s
+        if self._model is None or due:
+            t0 = time.perf_counter()
             self._model = fit_cost_model(self.profile + list(self.steps) + list(pending))
-            self._fitted_at = n
+            self._fit_s = time.perf_counter() - t0
+            self._new_steps, self._new_work_s = 0, 0.0
         return self._model
 
     def observe(self, steps: list[StepRecord]) -> None:

@@ -61,6 +61,32 @@ class CostModel:
         return self.verify_s(rows, gamma + 1, ctx) + self.draft_s(rows, gamma, ctx)
 
 
+def _thin(values: list[float], most: int) -> list[float]:
+    if len(values) <= most:
+        return values
+    picks = torch.linspace(0, len(values) - 1, most).round().long().tolist()
+    return [values[i] for i in sorted(set(picks))]
+
+
+def _fit_verify(n, ctx, y, weight, knee):
+    x = _verify_features(n, ctx, knee)
+    coef = nnls(x, y, weight)
+    return float((((x @ coef) - y) ** 2 * weight).sum()), knee, coef
+
+
+def best_knee_fit(n, ctx, y, weight, most: int = 8):
+    """Grid search for the hinge over the distinct measured N: a coarse pass over `most`
+    quantiles, then a fine pass between the best one's neighbours (2 x `most` fits at most)."""
+    values = sorted(set(n.tolist()))
+    coarse = _thin(values, most)
+    fits = [_fit_verify(n, ctx, y, weight, k) for k in coarse]
+    i = min(range(len(fits)), key=lambda j: fits[j][0])
+    lo, hi = coarse[max(i - 1, 0)], coarse[min(i + 1, len(coarse) - 1)]
+    fine = [v for v in _thin([v for v in values if lo <= v <= hi], most) if v not in coarse]
+    fits += [_fit_verify(n, ctx, y, weight, k) for k in fine]
+    return min(fits, key=lambda f: f[0])
+
+
 def fit_cost_model(steps) -> CostModel | None:
     """Fit from StepRecord-like objects (rows, query_len, context_len, verify_s, draft_s, gamma).
     Returns None with fewer than 3 distinct verify shapes (nothing to fit yet)."""
@@ -71,13 +97,7 @@ def fit_cost_model(steps) -> CostModel | None:
     ctx = torch.tensor([float(s.context_len) for s in steps], dtype=torch.float64)
     y = torch.tensor([s.verify_s for s in steps], dtype=torch.float64)
     weight = 1.0 / y.clamp(min=1e-6) ** 2
-    best = None
-    for knee in sorted(set(n.tolist())):
-        x = _verify_features(n, ctx, knee)
-        coef = nnls(x, y, weight)
-        err = float((((x @ coef) - y) ** 2 * weight).sum())
-        if best is None or err < best[0] - 1e-12:
-            best = (err, knee, coef)
+    best = best_knee_fit(n, ctx, y, weight)
     _, knee, vcoef = best
     drafted = [s for s in steps if s.gamma > 0 and s.draft_s > 0]
     dcoef = torch.zeros(4, dtype=torch.float64)

@@ -82,22 +82,22 @@ class GoodputPolicy:
     gamma_max: int
     cost: Callable[[], CostModel | None]        # current fitted cost model (refined online)
     prior: SpecStats = field(default_factory=SpecStats)   # earlier shards of this task
-    calibration_rows: int = 64
+    calibration_rows: int = 16
     decisions: list[Decision] = field(default_factory=list)
 
     def max_gamma(self) -> int:
         return self.gamma_max
 
     def choose(self, ctx: StepContext) -> int:
-        stats = self.prior.merge(ctx.stats)
-        seen = stats.reached[0] if stats.reached else 0
+        reached, accepted = _add(self.prior.reached, ctx.stats.reached), _add(self.prior.accepted, ctx.stats.accepted)
+        seen = reached[0] if reached else 0
         model = self.cost()
         if self.gamma_max == 0:
             return self._record(Decision(0, "gamma_max is 0", [0], [], []))
         if seen < self.calibration_rows:
             return self._record(Decision(self.gamma_max, f"calibrating acceptance ({seen}/{self.calibration_rows} row-steps)",
                                          [], [], []))
-        acc = estimate_acceptance(stats.reached, stats.accepted, self.gamma_max)
+        acc = estimate_acceptance(reached, accepted, self.gamma_max)
         if model is None:
             return self._record(Decision(self.gamma_max, "no cost model yet: measuring", [], [], acc))
         return self._record(choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max))
@@ -105,6 +105,12 @@ class GoodputPolicy:
     def _record(self, d: Decision) -> int:
         self.decisions.append(d)
         return d.gamma
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two per-depth count lists of any lengths."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
 def choose_gamma(model: CostModel, acceptance: list[float], rows: int, ctx: float, gamma_max: int) -> Decision:
