@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -58,4 +59,4 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.T).float()
+        return F.linear(hidden, weight).float()
