@@ -98,3 +98,17 @@ def test_policy_calibrates_unseen_task_then_decides():
     low.observe_acceptance(GMAX, torch.zeros(200, dtype=torch.long))
     seeded = GoodputPolicy(GMAX, lambda: model(a=1e-3, b=1e-3), prior=low, calibration_rows=16)
     assert seeded.choose(StepContext(rows=32, context_len=50, stats=SpecStats())) == 0   # prior: no calibration
+
+
+def test_fit_finds_the_multi_token_step_and_trusts_real_steps_over_the_profile():
+    truth = CostModel((3e-3, 1e-5, 0.0, 0.0), 1.0, (1e-3, 1e-5, 1e-3, 1e-5), 0, multi_token_s=1.2e-3)
+    steps = [StepRecord(g, r, g + 1, 100, 100, truth.verify_s(r, g + 1, 100), truth.draft_s(r, g), 1)
+             for r in (1, 4, 16) for g in range(4)]
+    fit = fit_cost_model(steps)
+    assert fit.verify_s(1, 2, 100) - fit.verify_s(1, 1, 100) == pytest.approx(1.2e-3 + 1e-5, rel=0.05)
+    # a profile that says drafting is half as costly as the steps the engine really ran
+    profile = [StepRecord(g, r, g + 1, 100, 100, truth.verify_s(r, g + 1, 100), truth.draft_s(r, g) / 2, 0)
+               for r in (1, 4, 16) for g in range(1, 4) for _ in range(3)]
+    real = [s for s in steps if s.rows == 1 and s.gamma == 2] * 3
+    mixed = fit_cost_model(real, profile=profile)
+    assert mixed.draft_s(1, 2) == pytest.approx(truth.draft_s(1, 2), rel=0.25)

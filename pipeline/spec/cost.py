@@ -4,15 +4,21 @@ verify_s(rows, q, ctx): a target forward over rows x q tokens against ctx cached
 accelerator it is flat while memory-bound (weights are read once whatever the batch) and rises
 once compute-bound; so it is fitted as a hinge in N = rows * q plus an attention term:
 
-    verify_s = a + b * N + h * max(0, N - knee) + c * N * ctx        (a, b, h, c >= 0)
+    verify_s = a + m * [q > 1] + b * N + h * max(0, N - knee) + c * N * ctx     (all >= 0)
 
+m is the fixed extra cost of a multi-token verify over one-token decoding (other kernels,
+masks, a wider logits slice); measured on a CPU it is a large part of a small model's step.
 The knee is chosen by grid search over the measured N. draft_s(rows, gamma): the MTP fill over
 the tokens accepted last step (about rows * (gamma + 1) of them) plus gamma - 1 one-token head
 steps:
 
     draft_s = [gamma > 0] * (d + e * rows * (gamma + 1)) + max(gamma - 1, 0) * (f + g * rows)
 
-Fits minimise relative error (times span orders of magnitude) under non-negativity.
+Fits minimise relative error (times span orders of magnitude) under non-negativity. The
+start-up profile times bare forwards and covers every shape; the steps the engine really ran
+include everything around them but only the shapes it chose. So both are fitted (the profile
+weighted `profile_weight`), and then each part is rescaled by the median of real / predicted
+over the real steps: the profile gives the shape of the costs, the real steps their level.
 """
 from __future__ import annotations
 
@@ -35,8 +41,9 @@ def nnls(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return coef
 
 
-def _verify_features(n: torch.Tensor, ctx: torch.Tensor, knee: float) -> torch.Tensor:
-    return torch.stack([torch.ones_like(n), n, (n - knee).clamp(min=0), n * ctx], dim=1)
+def _verify_features(n: torch.Tensor, multi: torch.Tensor, ctx: torch.Tensor, knee: float) -> torch.Tensor:
+    """Columns for a, m, b, h, c."""
+    return torch.stack([torch.ones_like(n), multi, n, (n - knee).clamp(min=0), n * ctx], dim=1)
 
 
 @dataclass(frozen=True)
@@ -45,11 +52,12 @@ class CostModel:
     knee: float
     draft_coef: tuple[float, float, float, float]      # d, e, f, g
     samples: int
+    multi_token_s: float = 0.0                         # m
 
     def verify_s(self, rows: int, q: int, ctx: float) -> float:
         a, b, h, c = self.verify_coef
         n = rows * q
-        return a + b * n + h * max(0.0, n - self.knee) + c * n * ctx
+        return a + self.multi_token_s * (q > 1) + b * n + h * max(0.0, n - self.knee) + c * n * ctx
 
     def draft_s(self, rows: int, gamma: int, ctx: float = 0.0) -> float:
         if gamma <= 0:
@@ -68,42 +76,60 @@ def _thin(values: list[float], most: int) -> list[float]:
     return [values[i] for i in sorted(set(picks))]
 
 
-def _fit_verify(n, ctx, y, weight, knee):
-    x = _verify_features(n, ctx, knee)
+def _fit_verify(n, multi, ctx, y, weight, knee):
+    x = _verify_features(n, multi, ctx, knee)
     coef = nnls(x, y, weight)
     return float((((x @ coef) - y) ** 2 * weight).sum()), knee, coef
 
 
-def best_knee_fit(n, ctx, y, weight, most: int = 8):
+def best_knee_fit(n, multi, ctx, y, weight, most: int = 8):
     """Grid search for the hinge over the distinct measured N: a coarse pass over `most`
     quantiles, then a fine pass between the best one's neighbours (2 x `most` fits at most)."""
     values = sorted(set(n.tolist()))
     coarse = _thin(values, most)
-    fits = [_fit_verify(n, ctx, y, weight, k) for k in coarse]
+    fits = [_fit_verify(n, multi, ctx, y, weight, k) for k in coarse]
     i = min(range(len(fits)), key=lambda j: fits[j][0])
     lo, hi = coarse[max(i - 1, 0)], coarse[min(i + 1, len(coarse) - 1)]
     fine = [v for v in _thin([v for v in values if lo <= v <= hi], most) if v not in coarse]
-    fits += [_fit_verify(n, ctx, y, weight, k) for k in fine]
+    fits += [_fit_verify(n, multi, ctx, y, weight, k) for k in fine]
     return min(fits, key=lambda f: f[0])
 
 
-def fit_cost_model(steps) -> CostModel | None:
-    """Fit from StepRecord-like objects (rows, query_len, context_len, verify_s, draft_s, gamma).
+def fit_cost_model(steps, profile=(), profile_weight: float = 0.25) -> CostModel | None:
+    """Fit from StepRecord-like objects (rows, query_len, context_len, verify_s, draft_s, gamma):
+    `steps` the engine ran, `profile` timed bare forwards (weighted `profile_weight`).
     Returns None with fewer than 3 distinct verify shapes (nothing to fit yet)."""
-    steps = [s for s in steps if s.verify_s > 0]
-    if len({(s.rows, s.query_len) for s in steps}) < 3:
+    records = [(s, 1.0) for s in steps if s.verify_s > 0] + [(s, profile_weight) for s in profile if s.verify_s > 0]
+    if len({(s.rows, s.query_len) for s, _ in records}) < 3:
         return None
-    n = torch.tensor([float(s.rows * s.query_len) for s in steps], dtype=torch.float64)
-    ctx = torch.tensor([float(s.context_len) for s in steps], dtype=torch.float64)
-    y = torch.tensor([s.verify_s for s in steps], dtype=torch.float64)
-    weight = 1.0 / y.clamp(min=1e-6) ** 2
-    best = best_knee_fit(n, ctx, y, weight)
-    _, knee, vcoef = best
-    drafted = [s for s in steps if s.gamma > 0 and s.draft_s > 0]
-    dcoef = torch.zeros(4, dtype=torch.float64)
+    f64 = dict(dtype=torch.float64)
+    n = torch.tensor([float(s.rows * s.query_len) for s, _ in records], **f64)
+    multi = torch.tensor([float(s.query_len > 1) for s, _ in records], **f64)
+    ctx = torch.tensor([float(s.context_len) for s, _ in records], **f64)
+    y = torch.tensor([s.verify_s for s, _ in records], **f64)
+    w = torch.tensor([w for _, w in records], **f64)
+    _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2)
+    drafted = [(s, wt) for s, wt in records if s.gamma > 0 and s.draft_s > 0]
+    dcoef = torch.zeros(4, **f64)
     if drafted:
-        xd = torch.tensor([[1.0, s.rows * (s.gamma + 1), s.gamma - 1, (s.gamma - 1) * s.rows] for s in drafted],
-                          dtype=torch.float64)
-        yd = torch.tensor([s.draft_s for s in drafted], dtype=torch.float64)
-        dcoef = nnls(xd, yd, 1.0 / yd.clamp(min=1e-6) ** 2)
-    return CostModel(tuple(vcoef.tolist()), knee, tuple(dcoef.tolist()), len(steps))
+        xd = torch.tensor([[1.0, s.rows * (s.gamma + 1), s.gamma - 1, (s.gamma - 1) * s.rows] for s, _ in drafted], **f64)
+        yd = torch.tensor([s.draft_s for s, _ in drafted], **f64)
+        wd = torch.tensor([wt for _, wt in drafted], **f64)
+        dcoef = nnls(xd, yd, wd / yd.clamp(min=1e-6) ** 2)
+    a, m, b, h, c = vcoef.tolist()
+    model = CostModel((a, b, h, c), knee, tuple(dcoef.tolist()), len(records), multi_token_s=m)
+    return rescale_to(model, [s for s in steps if s.verify_s > 0])
+
+
+def rescale_to(model: CostModel, real) -> CostModel:
+    """`model` with its verify and draft parts scaled so that, over the real steps, the median
+    of measured / predicted is 1."""
+    import statistics
+
+    if not real:
+        return model
+    v = statistics.median(s.verify_s / max(model.verify_s(s.rows, s.query_len, s.context_len), 1e-12) for s in real)
+    drafted = [s for s in real if s.gamma > 0 and s.draft_s > 0]
+    d = statistics.median(s.draft_s / max(model.draft_s(s.rows, s.gamma), 1e-12) for s in drafted) if drafted else 1.0
+    return CostModel(tuple(x * v for x in model.verify_coef), model.knee, tuple(x * d for x in model.draft_coef),
+                     model.samples, multi_token_s=model.multi_token_s * v)
