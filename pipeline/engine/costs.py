@@ -49,17 +49,17 @@ class CostTracker:
     def model(self, pending: list[StepRecord] = ()) -> CostModel | None:
         """The fitted model over profile + observed + `pending` steps (the current call's).
         Refitted (the online refinement) once `refit_every` new steps have run and their time
-        is at least 20x the last fit's, so refitting costs at most ~5% of decoding."""
+        is at least 100x the last fit's, so refitting costs at most ~1% of decoding."""
         if len(pending) < self._pending_seen:          # a new generate call
             self._pending_seen = 0
         for s in pending[self._pending_seen:]:
             self._new_steps += 1
             self._new_work_s += s.verify_s + s.draft_s
         self._pending_seen = len(pending)
-        due = self._new_steps >= self.refit_every and self._new_work_s >= 20 * self._fit_s
+        due = self._new_steps >= self.refit_every and self._new_work_s >= 100 * self._fit_s
         if self._model is None or due:
             t0 = time.perf_counter()
-            self._model = fit_cost_model(self.profile + list(self.steps) + list(pending))
+            self._model = fit_cost_model(list(self.steps) + list(pending), profile=self.profile)
             self._fit_s = time.perf_counter() - t0
             self._new_steps, self._new_work_s = 0, 0.0
         return self._model
