@@ -25,6 +25,9 @@ def test_break_even_and_targets_from_constructed_cells():
     assert targets["auto never below gamma 0"][0] is False                             # 690 < 700 at batch 8
     assert targets["gamma 0 >= transformers generate() at every batch size"][0] is True
     assert targets["auto >= 1.8 x transformers at batch 1 on complete"] == (True, "worst 2.40")
+    # a cell where a system decoded nothing (every row ended at its first token) is left out
+    empty = _cell(32, transformers=0.0, g0=0.0, g2=0.0, auto=0.0)
+    assert check_targets(cells + [empty]) == check_targets(cells)
 
 
 def test_quick_matrix_end_to_end(tmp_path):
