@@ -28,17 +28,25 @@ import torch
 
 
 def nnls(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Weighted least squares with coefficients >= 0 (active set: drop negatives, refit)."""
-    active = list(range(x.shape[1]))
+    """Weighted least squares with coefficients >= 0 (active set: drop negatives, refit).
+
+    Columns other than the first that are constant (collinear with the intercept: e.g. every
+    sample a multi-token verify) get coefficient 0, and solves use the SVD (min-norm), so the
+    answer is the same on every run even where columns are collinear (e.g. one context length)."""
     coef = torch.zeros(x.shape[1], dtype=torch.float64)
+    active = [j for j in range(x.shape[1]) if j == 0 or not _constant(x[:, j])]
     w = weight.sqrt()[:, None]
     while active:
-        sol = torch.linalg.lstsq(x[:, active] * w, y[:, None] * w).solution[:, 0]
+        sol = torch.linalg.lstsq(x[:, active] * w, y[:, None] * w, driver="gelsd").solution[:, 0]
         if (sol >= 0).all():
             coef[active] = sol
             return coef
         active = [a for a, s in zip(active, sol.tolist()) if s > 0]
     return coef
+
+
+def _constant(col: torch.Tensor) -> bool:
+    return bool((col - col[0]).abs().max() <= 1e-12 * max(1.0, float(col.abs().max())))
 
 
 def _verify_features(n: torch.Tensor, multi: torch.Tensor, ctx: torch.Tensor, knee: float) -> torch.Tensor:
