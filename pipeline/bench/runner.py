@@ -98,10 +98,11 @@ def run_matrix(spec: BenchSpec, log=print) -> dict:
     cells = [Cell(t, temp, length, b, task_prompts(spec, tok, t, length, b))
              for t in spec.tasks for temp in spec.temperatures for length in spec.prompt_lengths for b in spec.batches]
     priors = {}
-    for cell in cells:                              # warm-up; auto's acceptance prior per task
+    for cell in cells:      # warm-up; auto's acceptance prior, as earlier shards of the task give
         params = _params(spec, cell)
         engine.max_batch_size = cell.batch
-        engine.generate(cell.prompts, params, gamma=engine.auto_policy())
+        warm = cell.prompts if cell.batch >= 8 else task_prompts(spec, tok, cell.task, cell.prompt_length, 8)
+        engine.generate(warm, params, gamma=engine.auto_policy())
         priors[cell.key()] = engine.last_stats.counts()
         if hf is not None:
             run_transformers(hf, cell.prompts[:1], _params(spec, cell, new=4), pad, engine.config.eos_token_ids)
