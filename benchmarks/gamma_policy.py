@@ -23,12 +23,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from pipeline.demo.tasks import TEMPLATES      # the demo tasks' prompt formats
 from pipeline.engine import Engine, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "pipeline" / "assets" / "demo" / "model"
 DEMO_DATA = ROOT / "pipeline" / "assets" / "demo" / "data" / "demo.parquet"
-TEMPLATES = {"summarize": "Summarize:\n{text}\nSummary:", "complete": "{text}", "json": "Signature:\n{text}\nJSON:"}
 
 
 def task_prompts(path: Path, task: str, n: int) -> list[str]:

@@ -14,9 +14,9 @@ import torch
 
 from pipeline.bench.roofline import measure_roofline
 from pipeline.bench.systems import percentile, run_engine, run_transformers
+from pipeline.demo.tasks import TEMPLATES      # the demo tasks' prompt formats
 from pipeline.engine import Engine, SamplingParams
 
-TEMPLATES = {"summarize": "Summarize:\n{text}\nSummary:", "complete": "{text}", "json": "Signature:\n{text}\nJSON:"}
 
 
 @dataclass(frozen=True)
