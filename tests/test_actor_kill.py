@@ -17,12 +17,6 @@ from tests.tiny_models import tiny_checkpoint
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    yield
-    ray.shutdown()
-
 
 @ray.remote(num_cpus=0)
 class Mailbox:

@@ -43,12 +43,6 @@ def assets(tmp_path_factory):
     return {"model": str(model), "data": str(root / "data"), "rows": rows}
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    yield
-    ray.shutdown()
-
 
 def job_cfg(assets, out_dir, *overrides):
     register_resolvers()

@@ -12,6 +12,7 @@ from pipeline.dist.utilization import UtilizationMeter, cpu_share
 from pipeline.dist.worker import ShardTask, failed_shard_result, gamma_in_use, process_shard, row_key
 
 pytest.importorskip("pipeline.engine", reason="engine package")
+from pipeline.engine import RequestOutput  # noqa: E402
 
 @dataclass
 class Step:
@@ -30,16 +31,6 @@ class FakeStats:
     verify_time_s = 0.25
     draft_time_s = 0.125
 
-@dataclass
-class Out:
-    text: str
-    token_ids: list
-    finish_reason: str = "length"
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_drafted_tokens: int = 0
-    num_accepted_tokens: int = 0
-
 class EchoEngine:
     """Echoes each prompt's length as tokens; records each call's prompts and params."""
 
@@ -50,7 +41,7 @@ class EchoEngine:
     def generate(self, prompts, params, gamma="auto", row_keys=None):
         self.calls.append((list(prompts), params, gamma, list(row_keys)))
         self.last_stats = FakeStats([Step(gamma if gamma != "auto" else 2)])
-        return [Out(text=p.upper(), token_ids=list(range(len(p) % 5 + 1)),
+        return [RequestOutput(text=p.upper(), token_ids=list(range(len(p) % 5 + 1)), finish_reason="length",
                     num_prompt_tokens=len(p), num_drafted_tokens=4, num_accepted_tokens=2)
                 for p in prompts]
 

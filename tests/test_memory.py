@@ -5,7 +5,6 @@ the context: the engine's KV caches do not grow with the number of prompts."""
 import sys
 import threading
 import tracemalloc
-from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -14,27 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import RunConfig
+from pipeline.engine import RequestOutput
 from tests.tiny_models import tiny_checkpoint
 
 ray = pytest.importorskip("ray")
 
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    yield
-    ray.shutdown()
-
-
-@dataclass
-class Out:
-    text: str
-    token_ids: list
-    finish_reason: str = "length"
-    error: str | None = None
-    num_prompt_tokens: int = 1
-    num_drafted_tokens: int = 0
-    num_accepted_tokens: int = 0
 
 
 class NoStats:
@@ -54,7 +37,7 @@ class FastEcho:
     last_stats = NoStats()
 
     def generate(self, prompts, params, gamma="auto", row_keys=None):
-        return [Out(p[:6], [1]) for p in prompts]
+        return [RequestOutput(p[:6], [1], finish_reason="length", num_prompt_tokens=1) for p in prompts]
 
 
 def echo_loader(model, engine):
