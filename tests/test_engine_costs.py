@@ -1,9 +1,11 @@
 """When the engine's cost knowledge goes stale: drift of measured steps, or a utilisation jump."""
 import random
 
+import pytest
+
 from pipeline.engine import Engine
 from pipeline.engine.costs import CostTracker
-from pipeline.spec.cost import CostModel
+from pipeline.spec.cost import CostModel, fit_cost_model
 from pipeline.spec.stats import StepRecord
 from tests.tiny_models import tiny_checkpoint
 
@@ -61,3 +63,17 @@ def test_engine_reprofiles_when_stale(tmp_path):
     engine.note_utilization(0.9)
     engine.auto_policy()
     assert engine.costs.profiles_taken == 2
+
+
+def test_engine_measures_each_steps_overhead_and_the_model_carries_it(tmp_path):
+    from pipeline.engine import SamplingParams
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4, gamma_max=2)
+    engine.generate([[5, 6, 7], [8, 9]] * 3, SamplingParams(max_new_tokens=12, ignore_eos=True), gamma="auto")
+    steps = engine.last_stats.steps
+    assert steps and all(s.overhead_s > 0 for s in steps)
+    model = fit_cost_model(steps, profile=engine.costs.profile)    # what the next refit gives
+    assert sum(model.overhead_coef) > 0
+    s = steps[-1]
+    assert model.step_s(s.rows, s.gamma, s.context_len) == pytest.approx(
+        model.compute_s(s.rows, s.gamma, s.context_len) + model.overhead_s(s.rows))

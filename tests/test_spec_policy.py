@@ -112,3 +112,21 @@ def test_fit_finds_the_multi_token_step_and_trusts_real_steps_over_the_profile()
     real = [s for s in steps if s.rows == 1 and s.gamma == 2] * 3
     mixed = fit_cost_model(real, profile=profile)
     assert mixed.draft_s(1, 2) == pytest.approx(truth.draft_s(1, 2), rel=0.25)
+
+
+def test_fit_recovers_the_per_step_overhead_and_the_policy_pays_it_once_per_step():
+    truth = CostModel((1e-3, 1e-5, 0.0, 0.0), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, overhead_coef=(2e-3, 5e-5))
+    steps = [StepRecord(g, r, g + 1, 50, 50, truth.verify_s(r, g + 1, 50), truth.draft_s(r, g), 1,
+                        truth.overhead_s(r)) for r in (1, 4, 16, 32) for g in range(4)]
+    fit = fit_cost_model(steps)
+    assert fit.overhead_coef == pytest.approx((2e-3, 5e-5), rel=0.05)
+    assert fit.step_s(8, 2, 50) == pytest.approx(truth.step_s(8, 2, 50), rel=0.05)
+    # the profile's bare forwards carry no overhead: only real steps set it
+    assert fit_cost_model([], profile=steps).overhead_coef == (0.0, 0.0)
+    # a step's fixed overhead is paid per step, so emitting more tokens per step amortises it:
+    # the same forwards and acceptance that do not pay without it do pay with it
+    acc = [0.6] * GMAX
+    bare = CostModel((1e-3, 1e-5, 0.0, 0.0), 1.0, (3e-4, 1e-6, 3e-4, 1e-6), 0, multi_token_s=4e-4)
+    heavy = CostModel(bare.verify_coef, bare.knee, bare.draft_coef, 0, multi_token_s=4e-4, overhead_coef=(3e-3, 0.0))
+    assert choose_gamma(bare, acc, rows=1, ctx=50, gamma_max=GMAX).gamma == 0
+    assert choose_gamma(heavy, acc, rows=1, ctx=50, gamma_max=GMAX).gamma > 0

@@ -70,7 +70,7 @@ class CostTracker:
         for s in steps:
             self.steps.append(s)
             if model is not None:
-                predicted = model.step_s(s.rows, s.gamma, s.context_len)
+                predicted = model.compute_s(s.rows, s.gamma, s.context_len)
                 if predicted > 0:
                     self.ratios.append((s.verify_s + s.draft_s) / predicted)
         if len(self.ratios) == self.ratios.maxlen:

@@ -225,6 +225,7 @@ class _Run:
         n = s.n
         if n == 0:
             return
+        t_choose = time.perf_counter()
         lengths = s.lengths[:n]
         gamma = min(self.policy.choose(StepContext(rows=n, context_len=float(lengths.float().mean()),
                                                    stats=self.stats)), self.gamma_cap)
@@ -257,9 +258,10 @@ class _Run:
             row.out.num_accepted_tokens += acc_list[i]
             row.emit(emitted_list[i][:acc_list[i] + 1], self.params, self.eos, self.e.tokenizer)
         self.stats.observe_acceptance(gamma, num_acc)
-        self.stats.observe_step(StepRecord(gamma, n, gamma + 1, ctx, max_ctx, t2 - t1, t1 - t0,
-                                           sum(acc_list) + n))
         s.release_finished()
+        overhead = (t0 - t_choose) + (time.perf_counter() - t2)
+        self.stats.observe_step(StepRecord(gamma, n, gamma + 1, ctx, max_ctx, t2 - t1, t1 - t0,
+                                           sum(acc_list) + n, overhead))
 
     # ---- sampling ------------------------------------------------------------------------------
     def _pick_draft(self, logits, keys, positions):

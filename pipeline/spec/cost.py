@@ -14,6 +14,11 @@ steps:
 
     draft_s = [gamma > 0] * (d + e * rows * (gamma + 1)) + max(gamma - 1, 0) * (f + g * rows)
 
+A step also spends time outside both forwards: choosing gamma, emitting tokens, stop checks.
+It is measured on every real step (the profile has none) and fitted as o0 + o1 * rows; it is
+why a small model's plain decoding step costs more than its forward alone, and it is paid once
+per step however many tokens the step emits.
+
 Fits minimise relative error (times span orders of magnitude) under non-negativity. The
 start-up profile times bare forwards and covers every shape; the steps the engine really ran
 include everything around them but only the shapes it chose. So both are fitted (the profile
@@ -61,6 +66,7 @@ class CostModel:
     draft_coef: tuple[float, float, float, float]      # d, e, f, g
     samples: int
     multi_token_s: float = 0.0                         # m
+    overhead_coef: tuple[float, float] = (0.0, 0.0)    # o0, o1: per step, per row in the step
 
     def verify_s(self, rows: int, q: int, ctx: float) -> float:
         a, b, h, c = self.verify_coef
@@ -73,8 +79,16 @@ class CostModel:
         d, e, f, g = self.draft_coef
         return d + e * rows * (gamma + 1) + (gamma - 1) * (f + g * rows)
 
-    def step_s(self, rows: int, gamma: int, ctx: float) -> float:
+    def overhead_s(self, rows: int) -> float:
+        return self.overhead_coef[0] + self.overhead_coef[1] * rows
+
+    def compute_s(self, rows: int, gamma: int, ctx: float) -> float:
+        """Draft + verify: what StepRecord.draft_s + verify_s measure."""
         return self.verify_s(rows, gamma + 1, ctx) + self.draft_s(rows, gamma, ctx)
+
+    def step_s(self, rows: int, gamma: int, ctx: float) -> float:
+        """The whole step: draft + verify + overhead."""
+        return self.compute_s(rows, gamma, ctx) + self.overhead_s(rows)
 
 
 def _thin(values: list[float], most: int) -> list[float]:
@@ -125,8 +139,20 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25) -> CostModel
         wd = torch.tensor([wt for _, wt in drafted], **f64)
         dcoef = nnls(xd, yd, wd / yd.clamp(min=1e-6) ** 2)
     a, m, b, h, c = vcoef.tolist()
-    model = CostModel((a, b, h, c), knee, tuple(dcoef.tolist()), len(records), multi_token_s=m)
+    model = CostModel((a, b, h, c), knee, tuple(dcoef.tolist()), len(records), multi_token_s=m,
+                      overhead_coef=_fit_overhead([s for s in steps if getattr(s, "overhead_s", 0.0) > 0]))
     return rescale_to(model, [s for s in steps if s.verify_s > 0])
+
+
+def _fit_overhead(steps) -> tuple[float, float]:
+    """o0 + o1 * rows from the real steps' measured overhead (relative error, o >= 0)."""
+    if not steps:
+        return (0.0, 0.0)
+    f64 = dict(dtype=torch.float64)
+    x = torch.tensor([[1.0, float(s.rows)] for s in steps], **f64)
+    y = torch.tensor([s.overhead_s for s in steps], **f64)
+    o0, o1 = nnls(x, y, 1 / y.clamp(min=1e-7) ** 2).tolist()
+    return (o0, o1)
 
 
 def rescale_to(model: CostModel, real) -> CostModel:
@@ -140,4 +166,4 @@ def rescale_to(model: CostModel, real) -> CostModel:
     drafted = [s for s in real if s.gamma > 0 and s.draft_s > 0]
     d = statistics.median(s.draft_s / max(model.draft_s(s.rows, s.gamma), 1e-12) for s in drafted) if drafted else 1.0
     return CostModel(tuple(x * v for x in model.verify_coef), model.knee, tuple(x * d for x in model.draft_coef),
-                     model.samples, multi_token_s=model.multi_token_s * v)
+                     model.samples, multi_token_s=model.multi_token_s * v, overhead_coef=model.overhead_coef)

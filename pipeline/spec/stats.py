@@ -23,6 +23,7 @@ class StepRecord:
     verify_s: float
     draft_s: float
     emitted: int            # tokens emitted over all rows (accepted + 1 per row)
+    overhead_s: float = 0.0  # the rest of the step: choosing gamma, emitting tokens, stop checks
 
 
 @dataclass
