@@ -130,3 +130,19 @@ def test_fit_recovers_the_per_step_overhead_and_the_policy_pays_it_once_per_step
     heavy = CostModel(bare.verify_coef, bare.knee, bare.draft_coef, 0, multi_token_s=4e-4, overhead_coef=(3e-3, 0.0))
     assert choose_gamma(bare, acc, rows=1, ctx=50, gamma_max=GMAX).gamma == 0
     assert choose_gamma(heavy, acc, rows=1, ctx=50, gamma_max=GMAX).gamma > 0
+
+
+def test_policy_reuses_a_decision_only_while_rows_model_and_context_stay():
+    prior = SpecStats()
+    prior.reached, prior.accepted = [1000] * GMAX, [800] * GMAX
+    current = {"model": ROOFLINE}
+    policy = GoodputPolicy(GMAX, lambda: current["model"], prior, recheck_steps=8)
+    for _ in range(20):
+        policy.choose(StepContext(rows=300, context_len=100, stats=SpecStats()))
+    assert len({id(d) for d in policy.decisions}) == 3          # decided at steps 1, 9 and 17
+    g = policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats()))
+    assert len({id(d) for d in policy.decisions}) == 4          # fewer rows: decided afresh
+    assert g == choose_gamma(ROOFLINE, estimate_acceptance(prior.reached, prior.accepted, GMAX), 2, 100, GMAX).gamma
+    assert g > policy.decisions[0].gamma
+    current["model"] = model(b=1e-4, draft=(1e-4, 1e-6, 1e-4, 1e-6))       # a refit: compute-bound
+    assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0

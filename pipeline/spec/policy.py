@@ -12,6 +12,10 @@ as it shrinks at a shard's tail (fewer rows leave more idle compute: gamma never
 
 A task with too few observations is calibrated first: gamma_max for `calibration_rows`
 row-steps, since one step at gamma_max observes every depth at once.
+
+A decision is reused for up to `recheck_steps` steps while the row count, the cost model and
+the context bucket stay the same: acceptance estimates move slowly, and deciding costs tens of
+microseconds, a percent of a small model's step on a CPU.
 """
 from __future__ import annotations
 
@@ -83,15 +87,28 @@ class GoodputPolicy:
     cost: Callable[[], CostModel | None]        # current fitted cost model (refined online)
     prior: SpecStats = field(default_factory=SpecStats)   # earlier shards of this task
     calibration_rows: int = 16
+    recheck_steps: int = 8
     decisions: list[Decision] = field(default_factory=list)
+    _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
 
     def max_gamma(self) -> int:
         return self.gamma_max
 
     def choose(self, ctx: StepContext) -> int:
+        model = self.cost()
+        key = (ctx.rows, id(model), int(ctx.context_len) // 64)
+        if self._cached is not None and self._cached[0] == key and self._cached[2] < self.recheck_steps:
+            self._cached = (key, self._cached[1], self._cached[2] + 1)
+            self.decisions.append(self._cached[1])
+            return self._cached[1].gamma
+        gamma = self._decide(ctx, model)
+        d = self.decisions[-1]
+        self._cached = (key, d, 1) if d.predicted_goodput else None      # never while calibrating
+        return gamma
+
+    def _decide(self, ctx: StepContext, model: CostModel | None) -> int:
         reached, accepted = _add(self.prior.reached, ctx.stats.reached), _add(self.prior.accepted, ctx.stats.accepted)
         seen = reached[0] if reached else 0
-        model = self.cost()
         if self.gamma_max == 0:
             return self._record(Decision(0, "gamma_max is 0", [0], [], []))
         if seen < self.calibration_rows:
