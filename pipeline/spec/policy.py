@@ -1,7 +1,7 @@
 """Choosing gamma, the number of drafts per verify step, for throughput.
 
     E(gamma)       = 1 + sum_{j=1..gamma} prod_{k<=j} a_k            (tokens per row per step)
-    goodput(gamma) = rows * E(gamma) / (T_verify(rows, gamma+1, ctx) + T_draft(rows, gamma, ctx))
+    goodput(gamma) = rows * E(gamma) / (T_verify(rows, gamma+1, ctx) + T_draft(rows, gamma) + T_overhead(rows))
 
 `GoodputPolicy` picks the gamma in 0..gamma_max with the highest predicted goodput, from
 per-depth acceptance a_k (this task's earlier shards as a prior, plus what this run measured)
