@@ -138,3 +138,18 @@ def test_base_training_resumes_from_its_checkpoint(tmp_path):
     assert any("resuming base training at step 2/4" in line for line in logs)
     state = torch.load(tmp_path / "work" / "base_train.pt", weights_only=True)
     assert state["step"] == 4 and (tmp_path / "b" / "model.safetensors").exists()
+
+
+def test_mtp_prompts_follow_task_shares_and_the_split():
+    from dataclasses import replace
+
+    from pipeline.demo.train_mtp import _prompts
+    base = record(0)
+    recs = [replace(base, qualname=f"Box.scale{i}", heldout=i % 5 == 0) for i in range(100)]
+    train = _prompts(recs, False, 40, seed=0, shares={"summarize": 0.5, "complete": 0.3, "json": 0.2})
+    kinds = ["summarize" if p.startswith("Summarize:") else "json" if p.startswith("Signature:") else "complete"
+             for p in train]
+    assert (kinds.count("summarize"), kinds.count("complete"), kinds.count("json")) == (20, 12, 8)
+    held = _prompts(recs, True, 300, seed=0)                   # only 20 held-out functions exist
+    assert len(held) == 60
+    assert _prompts(recs, False, 40, seed=0, shares={"summarize": 0.5, "complete": 0.3, "json": 0.2}) == train

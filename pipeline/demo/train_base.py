@@ -32,7 +32,7 @@ class BaseModelSpec:
 
 @dataclass(frozen=True)
 class BaseTrainSpec:
-    steps: int = 450
+    steps: int = 1100
     batch_size: int = 16           # blocks per step
     block_len: int = 512           # tokens per block
     lr: float = 2e-3
@@ -49,8 +49,8 @@ class BaseTrainSpec:
 
 # Task fine-tuning after the base phase: task examples (answers weighted, prompts down) plus a
 # third of the raw sources, a short decaying schedule from a lower peak.
-SFT_SPEC = BaseTrainSpec(steps=120, lr=1e-3, warmup=10, min_lr_ratio=0.05, answer_weight=1.0,
-                         prompt_weight=0.25, summary_repeat=2)
+SFT_SPEC = BaseTrainSpec(steps=220, lr=1e-3, warmup=10, min_lr_ratio=0.05, answer_weight=1.0,
+                         prompt_weight=0.25, summary_repeat=3)
 
 
 def sft_examples(examples: list[Example]) -> list[Example]:

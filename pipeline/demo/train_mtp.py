@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,11 +24,15 @@ from pipeline.demo.mtp_math import expected_tokens_per_step, mtp_loss, teacher_f
 class MTPTrainSpec:
     num_heads: int = 1             # heads written to the checkpoint; the last is reused beyond
     depths: int = 3                # depths trained (unrolled); >= num_heads
-    steps: int = 300
+    steps: int = 500
     batch_size: int = 16
     max_prompt_tokens: int = 320   # prompts are left-truncated to this
     max_new_tokens: int = 48       # greedy continuation generated per prompt
     num_prompts: int = 1536        # training prompts (from the training split)
+    # Demo prompts per task (stdlib prompts only): summaries are ~12 tokens against 48 for
+    # `complete`, so an equal share would leave them a seventh of the generated positions; json
+    # answers are the easiest to draft and need the least.
+    task_shares: dict = field(default_factory=lambda: {"summarize": 0.5, "complete": 0.3, "json": 0.2})
     num_eval: int = 96             # held-out sequences for the acceptance report
     lr: float = 1e-3
     warmup: int = 20
@@ -78,11 +82,22 @@ def collate(seqs, gen_weight: float):
     return ids, w, gen
 
 
-def _prompts(records, heldout: bool, n: int, seed: int) -> list[str]:
-    from pipeline.demo.tasks import prompt_for, task_pairs
-    ps = [prompt_for(t, x) for r in records if r.heldout == heldout for t, x, _ in task_pairs(r)]
+def _prompts(records, heldout: bool, n: int, seed: int, shares: dict | None = None) -> list[str]:
+    """About n prompts, `shares[task]` of them per task (equal shares by default; the split
+    itself has twice as many json rows as either other task)."""
+    from pipeline.demo.tasks import TASKS, prompt_for, task_pairs
+    shares = shares or {t: 1 / len(TASKS) for t in TASKS}
+    by_task = {t: [] for t in TASKS}
+    for r in records:
+        if r.heldout == heldout:
+            for t, x, _ in task_pairs(r):
+                by_task[t].append(prompt_for(t, x))
+    ps = []
+    for t in TASKS:
+        random.Random(f"{seed}-{t}").shuffle(by_task[t])
+        ps += by_task[t][: round(n * shares.get(t, 0.0) / sum(shares.values()))]
     random.Random(seed).shuffle(ps)
-    return ps[:n]
+    return ps
 
 
 def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir: Path, log=print):
@@ -160,7 +175,7 @@ def evaluate_heads(target, heads, seqs, depths: int, batch_size: int = 16) -> li
 
 def stdlib_prompts(records, spec: MTPTrainSpec) -> tuple[list[str], list[str]]:
     """Demo prompts: training-split functions to train on, held-out ones to report on."""
-    return (_prompts(records, False, spec.num_prompts, spec.seed),
+    return (_prompts(records, False, spec.num_prompts, spec.seed, spec.task_shares),
             _prompts(records, True, spec.num_eval, spec.seed))
 
 
