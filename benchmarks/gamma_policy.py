@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 48])
     ap.add_argument("--gamma-max", type=int, default=5)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gamma_policy.json"))
@@ -79,9 +79,14 @@ def main() -> None:
                 gamma = engine.auto_policy(prior=cell["prior"]) if g == "auto" else g
                 dt, tokens = timed(engine, cell["prompts"], params, gamma)
                 cell["times"].setdefault(g, []).append(tokens / dt)
+                steps = engine.last_stats.steps
+                cell.setdefault("overhead_ms", {}).setdefault(g, []).append(
+                    1e3 * sum(st.overhead_s for st in steps) / max(len(steps), 1))
                 if g == "auto":
                     cell["picked"].update(d.gamma for d in engine.last_policy.decisions)
-                    cell["reason"] = next((d.reason for d in engine.last_policy.decisions if d.predicted_goodput), "")
+                    first = next((d for d in engine.last_policy.decisions if d.predicted_goodput), None)
+                    cell["reason"] = first.reason if first else ""
+                    cell["predicted"] = first.predicted_goodput if first else []
     report = {"machine": {"platform": platform.platform(), "device": str(engine.device),
                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
               "model": str(args.model), "new_tokens": args.new, "reps": args.reps, "cells": []}
@@ -97,7 +102,9 @@ def main() -> None:
         report["cells"].append({"task": task, "batch": b, "tokens_per_s": {str(g): v for g, v in tps.items()},
                                 "auto_over_best_fixed": tps["auto"] / best, "auto_over_gamma0": tps["auto"] / tps[0],
                                 "auto_steps_per_gamma": dict(cell["picked"]), "auto_reason": cell.get("reason", ""),
-                                "prior_acceptance_by_depth": cell["prior"].acceptance_by_depth()})
+                                "prior_acceptance_by_depth": cell["prior"].acceptance_by_depth(),
+                                "auto_first_predicted_tokens_per_s": cell.get("predicted", []),
+                                "overhead_ms_per_step": {str(g): statistics.median(v) for g, v in cell["overhead_ms"].items()}})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
 

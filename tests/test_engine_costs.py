@@ -75,5 +75,7 @@ def test_engine_measures_each_steps_overhead_and_the_model_carries_it(tmp_path):
     model = fit_cost_model(steps, profile=engine.costs.profile)    # what the next refit gives
     assert sum(model.overhead_coef) > 0
     s = steps[-1]
-    assert model.step_s(s.rows, s.gamma, s.context_len) == pytest.approx(
+    assert model.modelled_step_s(s.rows, s.gamma, s.context_len) == pytest.approx(
         model.compute_s(s.rows, s.gamma, s.context_len) + model.overhead_s(s.rows))
+    assert model.step_s(s.rows, s.gamma, s.context_len) == pytest.approx(
+        model.modelled_step_s(s.rows, s.gamma, s.context_len) * model.local_factor(s.rows, s.gamma))

@@ -146,3 +146,22 @@ def test_policy_reuses_a_decision_only_while_rows_model_and_context_stay():
     assert g > policy.decisions[0].gamma
     current["model"] = model(b=1e-4, draft=(1e-4, 1e-6, 1e-4, 1e-6))       # a refit: compute-bound
     assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0
+
+
+def test_real_steps_correct_the_model_locally_and_flip_a_mispriced_choice():
+    # the smooth model says plain decoding at one row costs 3 ms; the engine measures 1.5 ms there
+    truth = CostModel((1e-3, 1e-5, 0.0, 0.0), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, multi_token_s=2e-4)
+    profile = [StepRecord(g, r, g + 1, 50, 50, truth.verify_s(r, g + 1, 50), truth.draft_s(r, g), 0)
+               for r in (1, 2, 4, 8, 16, 32) for g in range(4) for _ in range(2)]
+    acc = [0.8] * 3
+    assert choose_gamma(fit_cost_model([], profile=profile), acc, 1, 50, 3).gamma > 0
+    fast_plain = [StepRecord(0, 1, 1, 50, 50, 0.5e-3, 0.0, 1, 1e-3) for _ in range(6)]
+    slow_spec = [StepRecord(3, 1, 4, 50, 50, 4e-3, 1e-3, 2, 1e-3) for _ in range(6)]
+    fit = fit_cost_model(fast_plain + slow_spec, profile=profile)
+    assert fit.step_s(1, 0, 50) == pytest.approx(1.5e-3, rel=1e-6)          # priced as measured
+    assert fit.step_s(1, 3, 50) == pytest.approx(6e-3, rel=1e-6)
+    assert fit.local_factor(1, 2) == fit.local_factor(1, 3)                  # unmeasured: nearest gamma
+    assert fit.local_factor(16, 0) == 1.0                                    # other rows: the model
+    assert choose_gamma(fit, acc, 1, 50, 3).gamma == 0
+    # fewer than MIN_LOCAL steps correct nothing
+    assert fit_cost_model(fast_plain[:3] + slow_spec[:3], profile=profile).local == {}

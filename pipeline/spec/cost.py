@@ -19,6 +19,14 @@ It is measured on every real step (the profile has none) and fitted as o0 + o1 *
 why a small model's plain decoding step costs more than its forward alone, and it is paid once
 per step however many tokens the step emits.
 
+A smooth model of the whole range of shapes is off by tens of percent at some of them (a CPU's
+batch-1 step is mostly interpreter time the hinge does not see). So the steps the engine really
+ran also correct it locally: for each (gamma, rows bucket, half an octave wide) with at least
+`MIN_LOCAL` recent steps, the median of measured / modelled whole-step time multiplies the
+model there; a gamma not yet run at those rows takes the nearest measured gamma's factor. What
+the engine runs is thus priced as measured, and a gamma it has not run is priced by the model
+until it runs it.
+
 Fits minimise relative error (times span orders of magnitude) under non-negativity. The
 start-up profile times bare forwards and covers every shape; the steps the engine really ran
 include everything around them but only the shapes it chose. So both are fitted (the profile
@@ -27,9 +35,13 @@ over the real steps: the profile gives the shape of the costs, the real steps th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import statistics
+from dataclasses import dataclass, field, replace
 
 import torch
+
+MIN_LOCAL = 4           # real steps in a (gamma, rows bucket) before they correct the model there
 
 
 def nnls(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -67,6 +79,7 @@ class CostModel:
     samples: int
     multi_token_s: float = 0.0                         # m
     overhead_coef: tuple[float, float] = (0.0, 0.0)    # o0, o1: per step, per row in the step
+    local: dict = field(default_factory=dict, compare=False)   # {(gamma, rows_bucket): measured / modelled}
 
     def verify_s(self, rows: int, q: int, ctx: float) -> float:
         a, b, h, c = self.verify_coef
@@ -86,9 +99,37 @@ class CostModel:
         """Draft + verify: what StepRecord.draft_s + verify_s measure."""
         return self.verify_s(rows, gamma + 1, ctx) + self.draft_s(rows, gamma, ctx)
 
-    def step_s(self, rows: int, gamma: int, ctx: float) -> float:
-        """The whole step: draft + verify + overhead."""
+    def modelled_step_s(self, rows: int, gamma: int, ctx: float) -> float:
+        """The whole step from the smooth model alone: draft + verify + overhead."""
         return self.compute_s(rows, gamma, ctx) + self.overhead_s(rows)
+
+    def step_s(self, rows: int, gamma: int, ctx: float) -> float:
+        """The whole step, with the local correction measured at these rows (if any)."""
+        return self.modelled_step_s(rows, gamma, ctx) * self.local_factor(rows, gamma)
+
+    def local_factor(self, rows: int, gamma: int) -> float:
+        b = rows_bucket(rows)
+        if (gamma, b) in self.local:
+            return self.local[(gamma, b)]
+        near = sorted((abs(g - gamma), -g) for g, bb in self.local if bb == b)
+        return self.local[(-near[0][1], b)] if near else 1.0
+
+
+def rows_bucket(rows: int) -> int:
+    """Half-octave buckets: 1 | 2 | 3 | 4 | 5-6 | 7-9 | 10-13 | 14-19 | 20-27 | 28-38 | 39-54 ..."""
+    return round(2 * math.log2(max(rows, 1)))
+
+
+def local_corrections(model: CostModel, real) -> dict:
+    """{(gamma, rows_bucket): median measured / modelled whole-step time} over `real` steps,
+    for buckets with at least MIN_LOCAL of them."""
+    groups: dict = {}
+    for s in real:
+        modelled = model.modelled_step_s(s.rows, s.gamma, s.context_len)
+        if modelled > 0:
+            groups.setdefault((s.gamma, rows_bucket(s.rows)), []).append(
+                (s.verify_s + s.draft_s + getattr(s, "overhead_s", 0.0)) / modelled)
+    return {k: statistics.median(v) for k, v in groups.items() if len(v) >= MIN_LOCAL}
 
 
 def _thin(values: list[float], most: int) -> list[float]:
@@ -141,7 +182,9 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25) -> CostModel
     a, m, b, h, c = vcoef.tolist()
     model = CostModel((a, b, h, c), knee, tuple(dcoef.tolist()), len(records), multi_token_s=m,
                       overhead_coef=_fit_overhead([s for s in steps if getattr(s, "overhead_s", 0.0) > 0]))
-    return rescale_to(model, [s for s in steps if s.verify_s > 0])
+    real = [s for s in steps if s.verify_s > 0]
+    model = rescale_to(model, real)
+    return replace(model, local=local_corrections(model, real))
 
 
 def _fit_overhead(steps) -> tuple[float, float]:
@@ -158,8 +201,6 @@ def _fit_overhead(steps) -> tuple[float, float]:
 def rescale_to(model: CostModel, real) -> CostModel:
     """`model` with its verify and draft parts scaled so that, over the real steps, the median
     of measured / predicted is 1."""
-    import statistics
-
     if not real:
         return model
     v = statistics.median(s.verify_s / max(model.verify_s(s.rows, s.query_len, s.context_len), 1e-12) for s in real)
