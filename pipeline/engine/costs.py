@@ -21,10 +21,11 @@ from pipeline.spec.stats import StepRecord
 
 class CostTracker:
     def __init__(self, keep: int = 2000, refit_every: int = 32, window: int = 64,
-                 drift: float = 1.5, util_jump: float = 0.3):
+                 drift: float = 1.5, util_jump: float = 0.3, fit_steps: int = 512):
         self.profile: list[StepRecord] = []
         self.steps: deque[StepRecord] = deque(maxlen=keep)
         self.refit_every, self.drift, self.util_jump = refit_every, drift, util_jump
+        self.fit_steps = fit_steps       # fits use the most recent real steps (a fit over 2000 takes ~80 ms)
         self.ratios: deque[float] = deque(maxlen=window)
         self.baseline_util: float | None = None
         self.stale_reason: str | None = None
@@ -57,7 +58,8 @@ class CostTracker:
         due = self._new_steps >= self.refit_every and self._new_work_s >= 100 * self._fit_s
         if self._model is None or due:
             t0 = time.perf_counter()
-            self._model = fit_cost_model(list(self.steps) + list(pending), profile=self.profile)
+            recent = (list(self.steps) + list(pending))[-self.fit_steps:]
+            self._model = fit_cost_model(recent, profile=self.profile)
             self._fit_s = time.perf_counter() - t0
             self._new_steps, self._new_work_s = 0, 0.0
         return self._model
@@ -68,10 +70,7 @@ class CostTracker:
             self._new_work_s += s.verify_s + s.draft_s
 
     def observe(self, steps: list[StepRecord]) -> None:
-        """Record a generate call's steps and check the model's predictions against them. Steps
-        `model()` did not see during the call (a fixed-gamma call's) count towards a refit too."""
-        self._count(steps[self._pending_seen:])
-        self._pending_seen = 0
+        """Record a generate call's steps and check the model's predictions against them."""
         model = self._model
         for s in steps:
             self.steps.append(s)
