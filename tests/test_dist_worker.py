@@ -146,6 +146,7 @@ def test_auto_gamma_on_a_real_engine_calibrates_once_per_task(tmp_path):
     """Through process_shard with the real engine: the first shard of a task calibrates, its
     acceptance becomes the prior, and the next shard of that task decides from the start."""
     from pipeline.engine import Engine
+    from pipeline.spec.policy import GoodputPolicy
     from tests.tiny_models import tiny_checkpoint
 
     path = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)
@@ -166,5 +167,7 @@ def test_auto_gamma_on_a_real_engine_calibrates_once_per_task(tmp_path):
     assert "calibration steps" not in second["gamma_reason"]
     assert second["gamma_candidates"] == [0, 1, 2, 3, 4] and len(second["predicted_goodput"]) == 5
     goodput = second["predicted_goodput"]
-    assert goodput.index(max(goodput)) == second["gamma"]
+    best = goodput.index(max(goodput))
+    within_margin = best > 0 and goodput[best] <= goodput[0] * (1 + GoodputPolicy.min_gain)
+    assert second["gamma"] == (0 if within_margin else best)
     assert priors["default"].reached[0] > 0

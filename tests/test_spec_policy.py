@@ -165,3 +165,15 @@ def test_real_steps_correct_the_model_locally_and_flip_a_mispriced_choice():
     assert choose_gamma(fit, acc, 1, 50, 3).gamma == 0
     # fewer than MIN_LOCAL steps correct nothing
     assert fit_cost_model(fast_plain[:3] + slow_spec[:3], profile=profile).local == {}
+
+
+def test_speculation_must_clear_the_margin_over_plain_decoding():
+    acc = [0.8, 0.7, 0.6, 0.5, 0.4]
+    free = choose_gamma(ROOFLINE, acc, rows=48, ctx=300, gamma_max=GMAX)
+    gain = free.predicted_goodput[free.gamma] / free.predicted_goodput[0]
+    assert free.gamma > 0 and gain > 1
+    above = choose_gamma(ROOFLINE, acc, rows=48, ctx=300, gamma_max=GMAX, min_gain=(gain - 1) * 0.9)
+    assert above.gamma == free.gamma
+    within = choose_gamma(ROOFLINE, acc, rows=48, ctx=300, gamma_max=GMAX, min_gain=(gain - 1) * 1.1)
+    assert within.gamma == 0 and "margin" in within.reason
+    assert within.predicted_goodput == free.predicted_goodput          # the stated goodput is unchanged

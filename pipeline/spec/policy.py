@@ -13,6 +13,11 @@ as it shrinks at a shard's tail (fewer rows leave more idle compute: gamma never
 A task with too few observations is calibrated first: gamma_max for `calibration_rows`
 row-steps, since one step at gamma_max observes every depth at once.
 
+Speculation must predict more than `min_gain` (default 5%) over plain decoding to be chosen:
+predictions carry a few percent of error, and where speculation's predicted gain is within it,
+plain decoding is the choice that cannot lose to gamma 0. Among speculative gammas the argmax
+stands.
+
 A decision is reused for up to `recheck_steps` steps while the row count, the cost model and
 the context bucket stay the same: acceptance estimates move slowly, and deciding costs tens of
 microseconds, a percent of a small model's step on a CPU.
@@ -88,6 +93,7 @@ class GoodputPolicy:
     prior: SpecStats = field(default_factory=SpecStats)   # earlier shards of this task
     calibration_rows: int = 16
     recheck_steps: int = 8
+    min_gain: float = 0.05
     decisions: list[Decision] = field(default_factory=list)
     _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
 
@@ -117,7 +123,7 @@ class GoodputPolicy:
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
         if model is None:
             return self._record(Decision(self.gamma_max, "no cost model yet: measuring", [], [], acc))
-        return self._record(choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max))
+        return self._record(choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain))
 
     def _record(self, d: Decision) -> int:
         self.decisions.append(d)
@@ -130,8 +136,10 @@ def _add(a: list[int], b: list[int]) -> list[int]:
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
-def choose_gamma(model: CostModel, acceptance: list[float], rows: int, ctx: float, gamma_max: int) -> Decision:
-    """argmax over gamma in 0..gamma_max of predicted goodput (ties go to the smaller gamma)."""
+def choose_gamma(model: CostModel, acceptance: list[float], rows: int, ctx: float, gamma_max: int,
+                 min_gain: float = 0.0) -> Decision:
+    """argmax over gamma in 0..gamma_max of predicted goodput (ties go to the smaller gamma),
+    except that a speculative gamma predicting at most `min_gain` over gamma 0 yields gamma 0."""
     candidates = list(range(gamma_max + 1))
     goodput = [rows * expected_tokens(acceptance, g) / max(model.step_s(rows, g, ctx), 1e-9) for g in candidates]
     best = max(candidates, key=lambda g: (goodput[g], -g))
@@ -140,6 +148,10 @@ def choose_gamma(model: CostModel, acceptance: list[float], rows: int, ctx: floa
               f"(E={expected_tokens(acceptance, best):.2f}, a1={acceptance[0]:.2f})")
     if best == 0:
         reason = f"rows={rows}: no gamma beats plain decoding ({goodput[0]:.0f} tok/s)"
+    elif gain <= 1 + min_gain:
+        reason = (f"rows={rows}: gamma={best} predicts only {gain:.2f}x gamma 0, within the "
+                  f"{min_gain:.0%} margin: plain decoding ({goodput[0]:.0f} tok/s)")
+        best = 0
     return Decision(best, reason, candidates, goodput, acceptance)
 
 
