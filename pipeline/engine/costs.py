@@ -53,7 +53,9 @@ class CostTracker:
         is at least 100x the last fit's, so refitting costs at most ~1% of decoding."""
         if len(pending) < self._pending_seen:          # a new generate call
             self._pending_seen = 0
-        self._count(pending[self._pending_seen:])
+        for s in pending[self._pending_seen:]:
+            self._new_steps += 1
+            self._new_work_s += s.verify_s + s.draft_s
         self._pending_seen = len(pending)
         due = self._new_steps >= self.refit_every and self._new_work_s >= 100 * self._fit_s
         if self._model is None or due:
@@ -63,11 +65,6 @@ class CostTracker:
             self._fit_s = time.perf_counter() - t0
             self._new_steps, self._new_work_s = 0, 0.0
         return self._model
-
-    def _count(self, steps) -> None:
-        for s in steps:
-            self._new_steps += 1
-            self._new_work_s += s.verify_s + s.draft_s
 
     def observe(self, steps: list[StepRecord]) -> None:
         """Record a generate call's steps and check the model's predictions against them."""

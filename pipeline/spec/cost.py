@@ -206,5 +206,5 @@ def rescale_to(model: CostModel, real) -> CostModel:
     v = statistics.median(s.verify_s / max(model.verify_s(s.rows, s.query_len, s.context_len), 1e-12) for s in real)
     drafted = [s for s in real if s.gamma > 0 and s.draft_s > 0]
     d = statistics.median(s.draft_s / max(model.draft_s(s.rows, s.gamma), 1e-12) for s in drafted) if drafted else 1.0
-    return CostModel(tuple(x * v for x in model.verify_coef), model.knee, tuple(x * d for x in model.draft_coef),
-                     model.samples, multi_token_s=model.multi_token_s * v, overhead_coef=model.overhead_coef)
+    return replace(model, verify_coef=tuple(x * v for x in model.verify_coef),
+                   draft_coef=tuple(x * d for x in model.draft_coef), multi_token_s=model.multi_token_s * v)
