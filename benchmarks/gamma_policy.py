@@ -76,6 +76,7 @@ def main() -> None:
         for (task, b), cell in cells.items():
             engine.max_batch_size = b
             for g in fixed + ["auto"]:
+                before = (engine.costs.profiles_taken, engine.costs.fits, engine.costs.fit_seconds)
                 gamma = engine.auto_policy(prior=cell["prior"]) if g == "auto" else g
                 dt, tokens = timed(engine, cell["prompts"], params, gamma)
                 cell["times"].setdefault(g, []).append(tokens / dt)
@@ -83,6 +84,9 @@ def main() -> None:
                 cell.setdefault("overhead_ms", {}).setdefault(g, []).append(
                     1e3 * sum(st.overhead_s for st in steps) / max(len(steps), 1))
                 if g == "auto":
+                    cell.setdefault("auto_calls", []).append({
+                        "seconds": dt, "steps": len(steps), "profiles_taken": engine.costs.profiles_taken - before[0],
+                        "fits": engine.costs.fits - before[1], "fit_s": engine.costs.fit_seconds - before[2]})
                     cell["picked"].update(d.gamma for d in engine.last_policy.decisions)
                     first = next((d for d in engine.last_policy.decisions if d.predicted_goodput), None)
                     cell["reason"] = first.reason if first else ""
@@ -104,6 +108,8 @@ def main() -> None:
                                 "auto_steps_per_gamma": dict(cell["picked"]), "auto_reason": cell.get("reason", ""),
                                 "prior_acceptance_by_depth": cell["prior"].acceptance_by_depth(),
                                 "auto_first_predicted_tokens_per_s": cell.get("predicted", []),
+                                "tokens_per_s_per_rep": {str(g): v for g, v in cell["times"].items()},
+                                "auto_calls": cell.get("auto_calls", []),
                                 "overhead_ms_per_step": {str(g): statistics.median(v) for g, v in cell["overhead_ms"].items()}})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -5,7 +5,7 @@ import pytest
 
 from pipeline.engine import Engine
 from pipeline.engine.costs import CostTracker
-from pipeline.spec.cost import CostModel, fit_cost_model
+from pipeline.spec.cost import MIN_LOCAL, CostModel, fit_cost_model
 from pipeline.spec.stats import StepRecord
 from tests.tiny_models import tiny_checkpoint
 
@@ -24,22 +24,41 @@ def records(scale=1.0, seed=0):
     return out
 
 
-def test_steps_that_match_the_model_keep_it():
+def measured_tracker() -> CostTracker:
+    """A tracker whose model was fitted after MIN_LOCAL steps at every shape of `records`."""
     tracker = CostTracker(window=32)
     tracker.set_profile(records())
-    assert tracker.model() is not None
-    tracker.observe(records(seed=1) * 2)
-    assert tracker.stale_reason is None and not tracker.needs_profile()
+    for seed in range(1, 1 + MIN_LOCAL):
+        for s in records(seed=seed):
+            tracker.record(s)
+    assert tracker.model() is not None and len(tracker.local.factors) == len(records())
+    return tracker
+
+
+def test_steps_that_match_the_model_keep_it():
+    tracker = measured_tracker()
+    for s in records(seed=9) * 2:
+        tracker.record(s)
+    assert len(tracker.ratios) == 32 and tracker.stale_reason is None and not tracker.needs_profile()
 
 
 def test_drifted_steps_mark_the_model_stale_and_a_new_profile_resets():
+    tracker = measured_tracker()
+    for s in records(scale=3.0, seed=2) * 2:
+        tracker.record(s)
+    assert tracker.needs_profile() and "x what was measured" in tracker.stale_reason
+    tracker.set_profile(records(scale=3.0))
+    assert not tracker.needs_profile() and tracker.profiles_taken == 2 and not tracker.steps
+    assert not tracker.local.samples
+
+
+def test_steps_at_unmeasured_shapes_are_not_drift():
     tracker = CostTracker(window=32)
     tracker.set_profile(records())
     tracker.model()
-    tracker.observe(records(scale=3.0, seed=2) * 2)
-    assert tracker.needs_profile() and "x the cost model" in tracker.stale_reason
-    tracker.set_profile(records(scale=3.0))
-    assert not tracker.needs_profile() and tracker.profiles_taken == 2 and not tracker.steps
+    for s in records(scale=3.0, seed=2) * 2:            # the smooth model is 3x off, nothing measured before
+        tracker.record(s)
+    assert not tracker.ratios and not tracker.needs_profile()
 
 
 def test_a_utilisation_jump_marks_the_model_stale():
@@ -78,4 +97,27 @@ def test_engine_measures_each_steps_overhead_and_the_model_carries_it(tmp_path):
     assert model.modelled_step_s(s.rows, s.gamma, s.context_len) == pytest.approx(
         model.compute_s(s.rows, s.gamma, s.context_len) + model.overhead_s(s.rows))
     assert model.step_s(s.rows, s.gamma, s.context_len) == pytest.approx(
-        model.modelled_step_s(s.rows, s.gamma, s.context_len) * model.local_factor(s.rows, s.gamma))
+        model.modelled_step_s(s.rows, s.gamma, s.context_len) * model.local_factor(s.rows, s.gamma, s.context_len))
+
+
+def test_local_correction_is_kept_per_context_and_outlives_the_fit_window():
+    truth = CostModel((1e-3, 1e-5, 0.0, 1e-8), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, multi_token_s=2e-4)
+    profile = [StepRecord(g, r, g + 1, c, c, truth.verify_s(r, g + 1, c), truth.draft_s(r, g), 0)
+               for r in (1, 4, 16) for g in range(3) for c in (50, 400)]
+    tracker = CostTracker(fit_steps=8)
+    tracker.set_profile(profile)
+    tracker.model()
+    short = [StepRecord(1, 1, 2, 50, 50, 1e-3, 1e-3, 2, 0.0) for _ in range(MIN_LOCAL)]        # 2 ms at 50 tokens
+    long = [StepRecord(1, 1, 2, 400, 400, 4e-3, 2e-3, 2, 0.0) for _ in range(MIN_LOCAL)]       # 6 ms at 400
+    for s in short + long:
+        tracker.record(s)
+    model = tracker.model()
+    assert model.step_s(1, 1, 50) == pytest.approx(2e-3, rel=1e-6)
+    assert model.step_s(1, 1, 400) == pytest.approx(6e-3, rel=1e-6)
+    assert model.local_factor(1, 1, 50) != model.local_factor(1, 1, 400)
+    # many steps elsewhere push the one-row steps out of the fit window, not out of the correction
+    for _ in range(40):
+        tracker.record(StepRecord(0, 16, 1, 50, 50, 2e-3, 0.0, 16, 0.0))
+    tracker._new_work_s = float("inf")                                       # make the refit due now
+    refit = tracker.model()
+    assert refit is not model and refit.step_s(1, 1, 400) == pytest.approx(6e-3, rel=1e-6)

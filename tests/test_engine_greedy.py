@@ -90,6 +90,36 @@ def test_auto_policy_records_a_decision_per_step(root):
     assert decided, "after calibration the policy must decide from measured costs"
     margin = engine.last_policy.min_gain
     for d in decided:          # the argmax, or gamma 0 where the argmax gains within the margin
-        top = max(d.predicted_goodput)
+        top = max(d.predicted_goodput)   # or while plain decoding is measured at a new shape
         assert d.predicted_goodput[d.gamma] == top or (
-            d.gamma == 0 and top <= d.predicted_goodput[0] * (1 + margin) and "margin" in d.reason)
+            d.gamma == 0 and top <= d.predicted_goodput[0] * (1 + margin) and "margin" in d.reason) or (
+            d.gamma == 0 and d.measuring and "measuring plain decoding" in d.reason)
+    assert any(not d.measuring for d in decided)
+
+
+def test_auto_policy_sees_rows_near_their_budget_and_each_row_when_few(root):
+    from pipeline.spec.policy import FEW_ROWS, GoodputPolicy
+
+    class Recording(GoodputPolicy):
+        def choose(self, ctx):
+            seen.append((ctx.rows, ctx.rows_apart))
+            return super().choose(ctx)
+
+    seen = []
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.05, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=FEW_ROWS + 2, gamma_max=3)
+    base = engine.auto_policy()
+    policy = Recording(base.gamma_max, base.cost)
+    prompts = random_prompts([5, 7, 3, 9] * 5, 128, seed=2)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True), gamma=policy)
+    assert all(len(o.token_ids) == 10 for o in outs)
+    assert seen[0] == (FEW_ROWS + 2, ())                # many rows, 9 tokens left each: none apart
+    for rows, apart in seen:
+        assert list(apart) == sorted(apart) and len(apart) <= rows
+        if rows <= FEW_ROWS:
+            assert len(apart) == rows                   # few rows: each priced on its own
+        else:
+            assert all(1 <= left <= 3 for left, _, _ in apart)   # many: only those near their budget
+        assert all(hits <= drafted for _, drafted, hits in apart)
+    assert any(apart and rows > FEW_ROWS for rows, apart in seen)
+    assert any(drafted > 0 for _, apart in seen for _, drafted, _ in apart)

@@ -1,12 +1,13 @@
 """The gamma policy and cost model, from constructed costs and acceptances."""
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from pipeline.spec.cost import CostModel, fit_cost_model
-from pipeline.spec.policy import (GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
-                                  expected_tokens)
+from pipeline.spec.cost import MIN_LOCAL, CostModel, LocalCorrection, fit_cost_model
+from pipeline.spec.policy import (ROW_PRIOR, GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
+                                  expected_tokens, row_acceptance)
 from pipeline.spec.stats import SpecStats, StepRecord
 
 GMAX = 5
@@ -160,11 +161,12 @@ def test_real_steps_correct_the_model_locally_and_flip_a_mispriced_choice():
     fit = fit_cost_model(fast_plain + slow_spec, profile=profile)
     assert fit.step_s(1, 0, 50) == pytest.approx(1.5e-3, rel=1e-6)          # priced as measured
     assert fit.step_s(1, 3, 50) == pytest.approx(6e-3, rel=1e-6)
-    assert fit.local_factor(1, 2) == fit.local_factor(1, 3)                  # unmeasured: nearest gamma
-    assert fit.local_factor(16, 0) == 1.0                                    # other rows: the model
+    assert fit.local_factor(1, 2, 50) == fit.local_factor(1, 3, 50)          # unmeasured gamma: nearest gamma
+    assert fit.local_factor(1, 0, 400) == fit.local_factor(1, 0, 50)         # unmeasured context: same gamma
+    assert fit.local_factor(16, 0, 50) == 1.0                                # other rows: the model
     assert choose_gamma(fit, acc, 1, 50, 3).gamma == 0
     # fewer than MIN_LOCAL steps correct nothing
-    assert fit_cost_model(fast_plain[:3] + slow_spec[:3], profile=profile).local == {}
+    assert fit_cost_model(fast_plain[:3] + slow_spec[:3], profile=profile).local.factors == {}
 
 
 def test_speculation_must_clear_the_margin_over_plain_decoding():
@@ -177,3 +179,51 @@ def test_speculation_must_clear_the_margin_over_plain_decoding():
     within = choose_gamma(ROOFLINE, acc, rows=48, ctx=300, gamma_max=GMAX, min_gain=(gain - 1) * 1.1)
     assert within.gamma == 0 and "margin" in within.reason
     assert within.predicted_goodput == free.predicted_goodput          # the stated goodput is unchanged
+
+
+def test_plain_decoding_is_measured_at_a_shape_before_speculating_there():
+    local = LocalCorrection()
+    measured = replace(ROOFLINE, local=local)
+    prior = SpecStats()
+    prior.reached, prior.accepted = [1000] * GMAX, [800] * GMAX
+    policy = GoodputPolicy(GMAX, lambda: measured, prior)
+    want = choose_gamma(measured, estimate_acceptance(prior.reached, prior.accepted, GMAX), 2, 100, GMAX, policy.min_gain)
+    assert want.gamma > 0
+    for i in range(MIN_LOCAL):
+        assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0
+        assert policy.decisions[-1].measuring and f"({i}/{MIN_LOCAL} steps)" in policy.decisions[-1].reason
+        local.add(StepRecord(0, 2, 1, 100, 100, ROOFLINE.modelled_step_s(2, 0, 100), 0.0, 2), measured)
+    assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == want.gamma
+    # another context octave is another shape; a constructed model without local steps never waits
+    assert policy.choose(StepContext(rows=2, context_len=400, stats=SpecStats())) == 0
+    assert GoodputPolicy(GMAX, lambda: ROOFLINE, prior).choose(StepContext(2, 400, SpecStats())) > 0
+
+
+def test_rows_near_their_token_budget_cap_the_expected_tokens():
+    acc = [0.9] * GMAX
+    free = choose_gamma(ROOFLINE, acc, rows=4, ctx=100, gamma_max=GMAX)
+    assert free.gamma >= 3
+    # one token left everywhere: no draft can be used, so speculation only costs
+    assert choose_gamma(ROOFLINE, acc, 4, 100, GMAX, rows_apart=((1, 0, 0),) * 4).gamma == 0
+    # two tokens left: at most one draft per row is worth anything
+    two = choose_gamma(ROOFLINE, acc, 4, 100, GMAX, rows_apart=((2, 0, 0),) * 4)
+    assert two.gamma <= 1
+    assert two.predicted_goodput[1] == pytest.approx(4 * expected_tokens(acc, 1) / ROOFLINE.step_s(4, 1, 100))
+    assert two.predicted_goodput[3] == pytest.approx(4 * expected_tokens(acc, 1) / ROOFLINE.step_s(4, 3, 100))
+    # a mix: the capped rows count at their budget, the others in full
+    mixed = choose_gamma(ROOFLINE, acc, 4, 100, GMAX, rows_apart=((2, 0, 0), (3, 0, 0)))
+    want = (2 * expected_tokens(acc, 4) + expected_tokens(acc, 1) + expected_tokens(acc, 2)) / ROOFLINE.step_s(4, 4, 100)
+    assert mixed.predicted_goodput[4] == pytest.approx(want)
+
+
+def test_a_row_apart_is_priced_with_its_own_first_draft_hit_rate():
+    acc = [0.8] * GMAX
+    typical = choose_gamma(ROOFLINE, acc, 1, 100, GMAX)
+    assert typical.gamma >= 3
+    unseen = choose_gamma(ROOFLINE, acc, 1, 100, GMAX, rows_apart=((50, 0, 0),))
+    assert unseen.predicted_goodput == typical.predicted_goodput          # nothing drafted: the task's a_k
+    agrees = choose_gamma(ROOFLINE, acc, 1, 100, GMAX, rows_apart=((50, 10, 8),))
+    assert agrees.predicted_goodput == pytest.approx(typical.predicted_goodput)
+    hard = choose_gamma(ROOFLINE, acc, 1, 100, GMAX, rows_apart=((50, 10, 0),))  # never a first draft right
+    assert hard.gamma < typical.gamma
+    assert row_acceptance(acc, 10, 0)[0] == pytest.approx(ROW_PRIOR * 0.8 / (10 + ROW_PRIOR))

@@ -93,8 +93,9 @@ def output_result(out: Any) -> dict:
 
 def gamma_in_use(engine_stats: Any, gamma: int | str, policy: Any = None) -> dict:
     """The stats row's gamma fields. A fixed gamma is the config's. For 'auto': the gamma the
-    policy chose most often once calibrated (calibration steps are counted, not chosen), its
-    reasoning, and the candidates with their predicted goodput from that decision."""
+    policy chose most often once calibrated (calibration steps, and steps measuring plain decoding
+    at a new shape, are counted, not chosen), its reasoning, and the candidates with their
+    predicted goodput from that decision."""
     if gamma != "auto":
         return {"gamma": int(gamma), "gamma_reason": f"fixed by config (spec.gamma={gamma})",
                 "gamma_candidates": [], "predicted_goodput": []}
@@ -102,16 +103,19 @@ def gamma_in_use(engine_stats: Any, gamma: int | str, policy: Any = None) -> dic
     used.pop(None, None)
     chosen = used.most_common(1)[0][0] if used else None
     decisions = list(getattr(policy, "decisions", []) or [])
-    decided = [d for d in decisions if d.predicted_goodput]
+    decided = [d for d in decisions if d.predicted_goodput and not getattr(d, "measuring", False)]
     if not decided:
         reason = getattr(policy, "reason", None) or (decisions[-1].reason if decisions else "no steps")
         return {"gamma": chosen, "gamma_reason": f"auto: {reason}", "gamma_candidates": [], "predicted_goodput": []}
     chosen = Counter(d.gamma for d in decided).most_common(1)[0][0]
     rep = next(d for d in decided if d.gamma == chosen)
     notes = [f"auto: {rep.reason}"]
-    calibrating = len(decisions) - len(decided)
+    calibrating = sum(1 for d in decisions if not d.predicted_goodput)
     if calibrating:
         notes.append(f"{calibrating} calibration steps at gamma_max")
+    measuring = sum(1 for d in decisions if getattr(d, "measuring", False))
+    if measuring:
+        notes.append(f"{measuring} steps measuring plain decoding at new shapes")
     if len(used) > 1:
         notes.append("steps per gamma " + ", ".join(f"{g}:{n}" for g, n in sorted(used.items())))
     return {"gamma": chosen, "gamma_reason": "; ".join(notes), "gamma_candidates": rep.candidates,

@@ -1,9 +1,14 @@
 """The engine's knowledge of its own costs: a start-up profile, the steps it has measured since,
 the cost model fitted from both, and when that knowledge has gone stale.
 
+Every step the engine runs is `record`ed: it joins the window the smooth model is refitted from
+and the per-shape local correction (pipeline.spec.cost.LocalCorrection), which prices it at once.
+
 Stale means re-profile before the next shard, for one of two measured reasons:
-- drift: over the last `window` steps the measured step time is off the model's prediction by
-  more than `drift` x (median ratio), e.g. a co-tenant appeared or clocks changed;
+- drift: over the last `window` steps at shapes already measured when the model was last fitted,
+  the measured step time is off what was measured there by more than `drift` x (median ratio),
+  e.g. a co-tenant appeared or clocks changed. Shapes not yet measured are not evidence of drift
+  (the smooth model is off by tens of percent at some shapes; the local correction fixes that);
 - utilisation: the accelerator's utilisation during a shard (NVML on CUDA, the process's CPU
   share on CPU) moved by more than `util_jump` from what it was when the profile was taken.
   A jump up at the same batch means the device has become compute-bound (or shared), which
@@ -15,70 +20,83 @@ import statistics
 import time
 from collections import deque
 
-from pipeline.spec.cost import CostModel, fit_cost_model
+from pipeline.spec.cost import CostModel, LocalCorrection, fit_cost_model, step_seconds
 from pipeline.spec.stats import StepRecord
 
 
 class CostTracker:
-    def __init__(self, keep: int = 2000, refit_every: int = 32, window: int = 64,
-                 drift: float = 1.5, util_jump: float = 0.3, fit_steps: int = 512):
+    def __init__(self, keep: int = 2000, refit_every: int = 32, window: int = 32,
+                 drift: float = 1.5, util_jump: float = 0.3, fit_steps: int = 512, refit_share: float = 0.002):
         self.profile: list[StepRecord] = []
         self.steps: deque[StepRecord] = deque(maxlen=keep)
+        self.local = LocalCorrection()
         self.refit_every, self.drift, self.util_jump = refit_every, drift, util_jump
+        self.refit_share = refit_share   # refits may take at most this share of decoding time
         self.fit_steps = fit_steps       # fits use the most recent real steps (a fit over 2000 takes ~80 ms)
         self.ratios: deque[float] = deque(maxlen=window)
         self.baseline_util: float | None = None
         self.stale_reason: str | None = None
         self.profiles_taken = 0
+        self.fits, self.fit_seconds = 0, 0.0   # how many fits, and their total time (for benchmarks)
         self._model: CostModel | None = None
+        self._fitted_factors: dict = {}   # the local factors as of the last fit (the drift reference)
         self._fit_s = 0.0                 # how long the last fit took
-        self._new_steps = 0               # steps seen since the last fit ...
+        self._new_steps = 0               # refining steps since the last fit ...
         self._new_work_s = 0.0            # ... and the step time they took
-        self._pending_seen = 0
 
     def needs_profile(self) -> bool:
         return not self.profile or self.stale_reason is not None
 
     def set_profile(self, records: list[StepRecord]) -> None:
+        """A new profile: what was measured before it no longer describes the device."""
         self.profile = list(records)
         self.steps.clear()
+        self.local = LocalCorrection()
         self.ratios.clear()
         self.baseline_util, self.stale_reason = None, None
         self.profiles_taken += 1
-        self._model = None
+        self._model, self._fitted_factors = None, {}
 
-    def model(self, pending: list[StepRecord] = ()) -> CostModel | None:
-        """The fitted model over profile + observed + `pending` steps (the current call's).
-        Refitted (the online refinement) once `refit_every` new steps have run and their time
-        is at least 100x the last fit's, so refitting costs at most ~1% of decoding."""
-        if len(pending) < self._pending_seen:          # a new generate call
-            self._pending_seen = 0
-        for s in pending[self._pending_seen:]:
-            self._new_steps += 1
-            self._new_work_s += s.verify_s + s.draft_s
-        self._pending_seen = len(pending)
-        due = self._new_steps >= self.refit_every and self._new_work_s >= 100 * self._fit_s
+    def model(self) -> CostModel | None:
+        """The fitted model over the profile and the recorded steps. Refitted (the online
+        refinement) once `refit_every` refining steps have run and their time is at least the
+        last fit's / `refit_share`, so refitting costs at most that share of decoding (0.2%: a
+        fit takes ~5-10 ms, a short call on a CPU ~0.3 s); the local correction follows every
+        step in between, so the smooth model only prices shapes not yet run."""
+        due = self._new_steps >= self.refit_every and self._new_work_s * self.refit_share >= self._fit_s
         if self._model is None or due:
             t0 = time.perf_counter()
-            recent = (list(self.steps) + list(pending))[-self.fit_steps:]
-            self._model = fit_cost_model(recent, profile=self.profile)
+            self._model = fit_cost_model(list(self.steps)[-self.fit_steps:], profile=self.profile, local=self.local)
+            self._fitted_factors = dict(self.local.factors)
             self._fit_s = time.perf_counter() - t0
+            self.fits += 1
+            self.fit_seconds += self._fit_s
             self._new_steps, self._new_work_s = 0, 0.0
         return self._model
 
-    def observe(self, steps: list[StepRecord]) -> None:
-        """Record a generate call's steps and check the model's predictions against them."""
+    def record(self, step: StepRecord, refine: bool = True) -> None:
+        """One step the engine ran. `refine`: it ran under the cost-model policy, so it counts
+        towards the next refit (steps at a caller's fixed gamma are kept, and priced locally,
+        but do not make the auto policy pay for a refit)."""
+        self.steps.append(step)
         model = self._model
-        for s in steps:
-            self.steps.append(s)
-            if model is not None:
-                predicted = model.compute_s(s.rows, s.gamma, s.context_len)
+        if model is not None:
+            key = self.local.key(step.gamma, step.rows, step.context_len)
+            if key in self._fitted_factors:
+                predicted = model.modelled_step_s(step.rows, step.gamma, step.context_len) * self._fitted_factors[key]
                 if predicted > 0:
-                    self.ratios.append((s.verify_s + s.draft_s) / predicted)
-        if len(self.ratios) == self.ratios.maxlen:
+                    self.ratios.append(step_seconds(step) / predicted)
+                    self._check_drift()
+        self.local.add(step, model)
+        if refine:
+            self._new_steps += 1
+            self._new_work_s += step.verify_s + step.draft_s
+
+    def _check_drift(self) -> None:
+        if len(self.ratios) == self.ratios.maxlen and self.stale_reason is None:
             ratio = statistics.median(self.ratios)
             if not 1 / self.drift <= ratio <= self.drift:
-                self.stale_reason = f"measured steps take {ratio:.2f}x the cost model's prediction"
+                self.stale_reason = f"measured steps take {ratio:.2f}x what was measured at their shapes"
 
     def note_utilization(self, utilization: float | None) -> None:
         if utilization is None:

@@ -23,7 +23,7 @@ from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec import rng
 from pipeline.spec.acceptance import greedy_accept, rejection_sample
 from pipeline.spec.cost import CostModel
-from pipeline.spec.policy import GammaPolicy, GoodputPolicy, StepContext, make_policy
+from pipeline.spec.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext, make_policy
 from pipeline.spec.sampling import filtered_probs, sample
 from pipeline.spec.stats import PrefillRecord, SpecStats, StepRecord
 
@@ -74,7 +74,7 @@ class Engine:
     # ---- the measured gamma policy -------------------------------------------------------------
     def cost_model(self) -> CostModel | None:
         """The cost model fitted from the profile and every measured step (this call's too)."""
-        return self.costs.model(self.last_stats.steps)
+        return self.costs.model()
 
     def ensure_profile(self, context_len: int = 128) -> None:
         """Profile the accelerator once, and again whenever the tracker finds the model stale."""
@@ -111,7 +111,6 @@ class Engine:
         if live:
             _Run(self, live, params, policy).run()
         self.stats = self.stats.merge(self.last_stats)
-        self.costs.observe(self.last_stats.steps)
         del self.stats.steps[:-_KEEP_STEPS], self.stats.prefills[:-_KEEP_STEPS]   # bounded memory
         return [r.finalize(params, self.tokenizer) if r.out.error is None else r.out for r in rows]
 
@@ -181,6 +180,7 @@ class _Run:
         self.queue = deque(rows)
         self.eos = frozenset(cfg.eos_token_ids)
         self.stats = engine.last_stats
+        self.refine = isinstance(policy, GoodputPolicy)     # its steps count towards cost-model refits
 
     def run(self) -> None:
         while self.queue or self.slots.n:
@@ -228,7 +228,7 @@ class _Run:
         t_choose = time.perf_counter()
         lengths = s.lengths[:n]
         gamma = min(self.policy.choose(StepContext(rows=n, context_len=float(lengths.float().mean()),
-                                                   stats=self.stats)), self.gamma_cap)
+                                                   stats=self.stats, rows_apart=self._rows_apart(n))), self.gamma_cap)
         t0 = time.perf_counter()
         keys = s.keys[:n]
         if gamma > 0:
@@ -256,12 +256,26 @@ class _Run:
             row = s.rows[i]
             row.out.num_drafted_tokens += gamma
             row.out.num_accepted_tokens += acc_list[i]
+            if gamma:
+                row.drafted_steps += 1
+                row.first_hits += acc_list[i] > 0
             row.emit(emitted_list[i][:acc_list[i] + 1], self.params, self.eos, self.e.tokenizer)
         self.stats.observe_acceptance(gamma, num_acc)
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
-        self.stats.observe_step(StepRecord(gamma, n, gamma + 1, ctx, max_ctx, t2 - t1, t1 - t0,
-                                           sum(acc_list) + n, overhead))
+        step = StepRecord(gamma, n, gamma + 1, ctx, max_ctx, t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
+        self.stats.observe_step(step)
+        self.e.costs.record(step, refine=self.refine)
+
+    def _rows_apart(self, n: int) -> tuple:
+        """For the cost-model policy: the rows it prices on their own (pipeline.spec.policy):
+        every row when few are active, else those within gamma_max tokens of their budget."""
+        if not self.refine or not self.gamma_cap:
+            return ()
+        rows = [r for r in self.slots.rows[:n] if r is not None]
+        few = n <= FEW_ROWS
+        return tuple(sorted((r.max_new - len(r.tokens), r.drafted_steps, r.first_hits) for r in rows
+                            if few or r.max_new - len(r.tokens) <= self.gamma_cap))
 
     # ---- sampling ------------------------------------------------------------------------------
     def _pick_draft(self, logits, keys, positions):

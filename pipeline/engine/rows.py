@@ -15,6 +15,8 @@ class Row:
     key: int = -1              # random-stream key (defaults to index)
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
+    drafted_steps: int = 0     # verify steps with drafts ...
+    first_hits: int = 0        # ... and those whose first draft was accepted (the policy's per-row a_1)
 
     def __post_init__(self):
         if self.key == -1:

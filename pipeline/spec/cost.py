@@ -21,11 +21,14 @@ per step however many tokens the step emits.
 
 A smooth model of the whole range of shapes is off by tens of percent at some of them (a CPU's
 batch-1 step is mostly interpreter time the hinge does not see). So the steps the engine really
-ran also correct it locally: for each (gamma, rows bucket, half an octave wide) with at least
-`MIN_LOCAL` recent steps, the median of measured / modelled whole-step time multiplies the
-model there; a gamma not yet run at those rows takes the nearest measured gamma's factor. What
-the engine runs is thus priced as measured, and a gamma it has not run is priced by the model
-until it runs it.
+ran also correct it locally (`LocalCorrection`): for each (gamma, rows bucket half an octave wide,
+context bucket an octave wide) with at least `MIN_LOCAL` steps, the median of measured / modelled
+whole-step time over its last `KEEP_LOCAL` steps multiplies the model there. These are kept per
+shape, not in the window the smooth model is fitted from, so a shape measured once stays measured
+however many other steps run after it. A shape not yet run takes the factor of the nearest
+measured one at the same rows: the same gamma at the nearest context first (a gamma's own
+overheads carry across contexts), else the nearest gamma. What the engine runs is thus priced as
+measured, and a shape it has not run is priced by the model until it runs it.
 
 Fits minimise relative error (times span orders of magnitude) under non-negativity. The
 start-up profile times bare forwards and covers every shape; the steps the engine really ran
@@ -37,11 +40,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import torch
 
-MIN_LOCAL = 4           # real steps in a (gamma, rows bucket) before they correct the model there
+MIN_LOCAL = 4           # real steps at a (gamma, rows, context) bucket before they correct the model there
+KEEP_LOCAL = 16         # the most recent steps per bucket that do
 
 
 def nnls(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -79,7 +84,7 @@ class CostModel:
     samples: int
     multi_token_s: float = 0.0                         # m
     overhead_coef: tuple[float, float] = (0.0, 0.0)    # o0, o1: per step, per row in the step
-    local: dict = field(default_factory=dict, compare=False)   # {(gamma, rows_bucket): measured / modelled}
+    local: "LocalCorrection | None" = field(default=None, compare=False)   # measured / modelled per shape
 
     def verify_s(self, rows: int, q: int, ctx: float) -> float:
         a, b, h, c = self.verify_coef
@@ -104,15 +109,11 @@ class CostModel:
         return self.compute_s(rows, gamma, ctx) + self.overhead_s(rows)
 
     def step_s(self, rows: int, gamma: int, ctx: float) -> float:
-        """The whole step, with the local correction measured at these rows (if any)."""
-        return self.modelled_step_s(rows, gamma, ctx) * self.local_factor(rows, gamma)
+        """The whole step, with the local correction measured at this shape (if any)."""
+        return self.modelled_step_s(rows, gamma, ctx) * self.local_factor(rows, gamma, ctx)
 
-    def local_factor(self, rows: int, gamma: int) -> float:
-        b = rows_bucket(rows)
-        if (gamma, b) in self.local:
-            return self.local[(gamma, b)]
-        near = sorted((abs(g - gamma), -g) for g, bb in self.local if bb == b)
-        return self.local[(-near[0][1], b)] if near else 1.0
+    def local_factor(self, rows: int, gamma: int, ctx: float) -> float:
+        return self.local.factor(gamma, rows, ctx) if self.local is not None else 1.0
 
 
 def rows_bucket(rows: int) -> int:
@@ -120,16 +121,74 @@ def rows_bucket(rows: int) -> int:
     return round(2 * math.log2(max(rows, 1)))
 
 
-def local_corrections(model: CostModel, real) -> dict:
-    """{(gamma, rows_bucket): median measured / modelled whole-step time} over `real` steps,
-    for buckets with at least MIN_LOCAL of them."""
-    groups: dict = {}
-    for s in real:
-        modelled = model.modelled_step_s(s.rows, s.gamma, s.context_len)
-        if modelled > 0:
-            groups.setdefault((s.gamma, rows_bucket(s.rows)), []).append(
-                (s.verify_s + s.draft_s + getattr(s, "overhead_s", 0.0)) / modelled)
-    return {k: statistics.median(v) for k, v in groups.items() if len(v) >= MIN_LOCAL}
+def context_bucket(ctx: float) -> int:
+    """Octaves of mean context: ... 32-63 | 64-127 | 128-255 | 256-511 ..."""
+    return int(math.log2(max(ctx, 1.0)))
+
+
+def step_seconds(step) -> float:
+    """A StepRecord's whole measured time: draft + verify + the overhead around them."""
+    return step.verify_s + step.draft_s + getattr(step, "overhead_s", 0.0)
+
+
+class LocalCorrection:
+    """Measured / modelled whole-step time per (gamma, rows bucket, context bucket), from the
+    steps the engine ran. `add` records a step (O(1)); `rebase` re-prices every kept step after
+    the smooth model is refitted. `factor` is the median ratio of the bucket with at least
+    MIN_LOCAL steps, else of the nearest measured bucket at the same rows (module docstring),
+    else 1 (the model as it is)."""
+
+    def __init__(self, keep: int = KEEP_LOCAL):
+        self.keep = keep
+        self.samples: dict[tuple, deque] = {}       # key -> (rows, ctx, seconds) of its last steps
+        self.ratios: dict[tuple, deque] = {}        # key -> measured / modelled of the same steps
+        self.factors: dict[tuple, float] = {}       # key -> median ratio, keys with >= MIN_LOCAL
+        self._by_rows: dict[int, list] = {}         # rows bucket -> measured (gamma, context bucket)
+        self._source: dict[tuple, tuple | None] = {}    # key -> the measured key it takes (memo)
+
+    @staticmethod
+    def key(gamma: int, rows: int, ctx: float) -> tuple:
+        return (gamma, rows_bucket(rows), context_bucket(ctx))
+
+    def count(self, gamma: int, rows: int, ctx: float) -> int:
+        """Steps kept at this bucket."""
+        return len(self.samples.get(self.key(gamma, rows, ctx), ()))
+
+    def add(self, step, model: CostModel | None = None) -> None:
+        """Record a step; with `model` (the smooth model this correction belongs to) price it now."""
+        key = self.key(step.gamma, step.rows, step.context_len)
+        sample = (step.rows, step.context_len, step_seconds(step))
+        self.samples.setdefault(key, deque(maxlen=self.keep)).append(sample)
+        if model is not None:
+            self._price(key, model, [sample])
+
+    def rebase(self, model: CostModel) -> None:
+        """Re-price every kept step against `model` (after a refit)."""
+        self.ratios, self.factors, self._by_rows, self._source = {}, {}, {}, {}
+        for key, samples in self.samples.items():
+            self._price(key, model, samples)
+
+    def _price(self, key: tuple, model: CostModel, samples) -> None:
+        ratios = self.ratios.setdefault(key, deque(maxlen=self.keep))
+        for rows, ctx, seconds in samples:
+            modelled = model.modelled_step_s(rows, key[0], ctx)
+            if modelled > 0:
+                ratios.append(seconds / modelled)
+        if len(ratios) >= MIN_LOCAL:
+            if key not in self.factors:
+                self._by_rows.setdefault(key[1], []).append((key[0], key[2]))
+                self._source = {}                   # a newly measured bucket: resolve again
+            self.factors[key] = statistics.median(ratios)
+
+    def factor(self, gamma: int, rows: int, ctx: float) -> float:
+        key = self.key(gamma, rows, ctx)
+        if key not in self._source:
+            measured = self._by_rows.get(key[1], [])
+            g, c = min(measured, key=lambda m: (m[0] != gamma, abs(m[0] - gamma), abs(m[1] - key[2]), -m[0]),
+                       default=(None, None))
+            self._source[key] = None if g is None else (g, key[1], c)
+        source = self._source[key]
+        return self.factors[source] if source is not None else 1.0
 
 
 def _thin(values: list[float], most: int) -> list[float]:
@@ -158,9 +217,12 @@ def best_knee_fit(n, multi, ctx, y, weight, most: int = 8):
     return min(fits, key=lambda f: f[0])
 
 
-def fit_cost_model(steps, profile=(), profile_weight: float = 0.25) -> CostModel | None:
+def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
+                   local: LocalCorrection | None = None) -> CostModel | None:
     """Fit from StepRecord-like objects (rows, query_len, context_len, verify_s, draft_s, gamma):
     `steps` the engine ran, `profile` timed bare forwards (weighted `profile_weight`).
+    `local`: the steps measured per shape (the engine keeps them across fits; rebased onto the
+    new model here); default: a correction built from `steps`.
     Returns None with fewer than 3 distinct verify shapes (nothing to fit yet)."""
     records = [(s, 1.0) for s in steps if s.verify_s > 0] + [(s, profile_weight) for s in profile if s.verify_s > 0]
     if len({(s.rows, s.query_len) for s, _ in records}) < 3:
@@ -184,7 +246,12 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25) -> CostModel
                       overhead_coef=_fit_overhead([s for s in steps if getattr(s, "overhead_s", 0.0) > 0]))
     real = [s for s in steps if s.verify_s > 0]
     model = rescale_to(model, real)
-    return replace(model, local=local_corrections(model, real))
+    if local is None:
+        local = LocalCorrection()
+        for s in real:
+            local.add(s)
+    local.rebase(model)
+    return replace(model, local=local)
 
 
 def _fit_overhead(steps) -> tuple[float, float]:

@@ -3,6 +3,14 @@
     E(gamma)       = 1 + sum_{j=1..gamma} prod_{k<=j} a_k            (tokens per row per step)
     goodput(gamma) = rows * E(gamma) / (T_verify(rows, gamma+1, ctx) + T_draft(rows, gamma) + T_overhead(rows))
 
+Some rows are priced on their own (`StepContext.rows_apart`), the rest at the task's E:
+- a row that may take only r more tokens (its max_new_tokens budget) gains nothing from drafts
+  beyond r - 1, so its E is taken at min(gamma, r - 1);
+- when at most `FEW_ROWS` rows are active (a shard's tail), each row's own first-draft hit rate
+  scales the task's a_k for it (Beta prior of weight `ROW_PRIOR` at the task's a_1). With many
+  rows the batch's mean acceptance is the task's; the few rows left at the end are the ones that
+  ran longest, and on the demo model they accept far less than the task's average.
+
 `GoodputPolicy` picks the gamma in 0..gamma_max with the highest predicted goodput, from
 per-depth acceptance a_k (this task's earlier shards as a prior, plus what this run measured)
 and a cost model fitted from measured steps. gamma = 0 is always a candidate: where the
@@ -12,6 +20,12 @@ as it shrinks at a shard's tail (fewer rows leave more idle compute: gamma never
 
 A task with too few observations is calibrated first: gamma_max for `calibration_rows`
 row-steps, since one step at gamma_max observes every depth at once.
+
+Plain decoding is measured before speculation at every shape: where the engine's local
+correction (pipeline.spec.cost) holds fewer than MIN_LOCAL plain-decoding steps at this (rows,
+context) bucket, a speculative choice runs gamma 0 instead until it does. Otherwise gamma 0
+would be priced by a speculative gamma's correction, and on a CPU the two differ by tens of
+percent; the price is at most MIN_LOCAL plain steps per bucket, once per engine.
 
 Speculation must predict more than `min_gain` (default 5%) over plain decoding to be chosen:
 predictions carry a few percent of error, and where speculation's predicted gain is within it,
@@ -27,8 +41,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from pipeline.spec.cost import CostModel
+from pipeline.spec.cost import MIN_LOCAL, CostModel
 from pipeline.spec.stats import SpecStats
+
+FEW_ROWS = 8            # at most this many active rows: each is priced with its own acceptance
+ROW_PRIOR = 4.0         # weight (row-steps) of the task's a_1 in a row's own first-draft estimate
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,7 @@ class StepContext:
     rows: int               # active rows in the coming verify step
     context_len: float      # mean cached tokens per row
     stats: SpecStats        # what this generate call has measured so far
+    rows_apart: tuple[tuple[int, int, int], ...] = ()   # (tokens left, steps drafted, first-draft hits)
 
 
 class GammaPolicy(Protocol):
@@ -84,6 +102,7 @@ class Decision:
     candidates: list[int]
     predicted_goodput: list[float]      # tokens/s per candidate (empty while calibrating)
     acceptance: list[float]
+    measuring: bool = False             # gamma 0 run to measure plain decoding at this shape
 
 
 @dataclass
@@ -102,14 +121,14 @@ class GoodputPolicy:
 
     def choose(self, ctx: StepContext) -> int:
         model = self.cost()
-        key = (ctx.rows, id(model), int(ctx.context_len) // 64)
+        key = (ctx.rows, id(model), int(ctx.context_len) // 64, ctx.rows_apart)
         if self._cached is not None and self._cached[0] == key and self._cached[2] < self.recheck_steps:
             self._cached = (key, self._cached[1], self._cached[2] + 1)
             self.decisions.append(self._cached[1])
             return self._cached[1].gamma
         gamma = self._decide(ctx, model)
         d = self.decisions[-1]
-        self._cached = (key, d, 1) if d.predicted_goodput else None      # never while calibrating
+        self._cached = (key, d, 1) if d.predicted_goodput and not d.measuring else None   # nor while measuring
         return gamma
 
     def _decide(self, ctx: StepContext, model: CostModel | None) -> int:
@@ -123,7 +142,13 @@ class GoodputPolicy:
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
         if model is None:
             return self._record(Decision(self.gamma_max, "no cost model yet: measuring", [], [], acc))
-        return self._record(choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain))
+        d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart)
+        plain = model.local.count(0, ctx.rows, ctx.context_len) if model.local is not None else MIN_LOCAL
+        if d.gamma > 0 and plain < MIN_LOCAL:
+            d = Decision(0, f"rows={ctx.rows}: measuring plain decoding at this shape first ({plain}/{MIN_LOCAL} "
+                            f"steps) before speculating; then: {d.reason}",
+                         d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
+        return self._record(d)
 
     def _record(self, d: Decision) -> int:
         self.decisions.append(d)
@@ -136,12 +161,31 @@ def _add(a: list[int], b: list[int]) -> list[int]:
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
+def row_acceptance(acceptance: list[float], drafted_steps: int, first_hits: int) -> list[float]:
+    """The task's a_k scaled for one row by its own first-draft hit rate (shrunk to a_1)."""
+    a1 = max(acceptance[0], 1e-6)
+    rho = (first_hits + ROW_PRIOR * a1) / (drafted_steps + ROW_PRIOR) / a1
+    return [min(a * rho, 0.999) for a in acceptance]
+
+
+def batch_tokens(acceptance: list[float], rows: int, gamma: int, rows_apart=()) -> float:
+    """Expected tokens emitted by one step over `rows` rows: the task's E for the typical rows,
+    each row apart with its own acceptance and capped at its budget (module docstring)."""
+    total = (rows - len(rows_apart)) * expected_tokens(acceptance, gamma)
+    for left, drafted, hits in rows_apart:
+        acc = row_acceptance(acceptance, drafted, hits) if drafted else acceptance
+        total += expected_tokens(acc, max(0, min(gamma, left - 1)))
+    return total
+
+
 def choose_gamma(model: CostModel, acceptance: list[float], rows: int, ctx: float, gamma_max: int,
-                 min_gain: float = 0.0) -> Decision:
+                 min_gain: float = 0.0, rows_apart: tuple = ()) -> Decision:
     """argmax over gamma in 0..gamma_max of predicted goodput (ties go to the smaller gamma),
-    except that a speculative gamma predicting at most `min_gain` over gamma 0 yields gamma 0."""
+    except that a speculative gamma predicting at most `min_gain` over gamma 0 yields gamma 0.
+    `rows_apart`: (tokens left, steps drafted, first-draft hits) of rows priced on their own."""
     candidates = list(range(gamma_max + 1))
-    goodput = [rows * expected_tokens(acceptance, g) / max(model.step_s(rows, g, ctx), 1e-9) for g in candidates]
+    goodput = [batch_tokens(acceptance, rows, g, rows_apart) / max(model.step_s(rows, g, ctx), 1e-9)
+               for g in candidates]
     best = max(candidates, key=lambda g: (goodput[g], -g))
     gain = goodput[best] / goodput[0] if goodput[0] > 0 else float("inf")
     reason = (f"rows={rows}: gamma={best} predicts {goodput[best]:.0f} tok/s, {gain:.2f}x gamma 0 "
