@@ -1,10 +1,11 @@
 """gamma=auto against every fixed gamma, per demo task, at a small and a large batch.
 
     python benchmarks/gamma_policy.py                          # demo model and dataset
-    python benchmarks/gamma_policy.py --batches 1 48 --reps 3 --new 64
+    python benchmarks/gamma_policy.py --batches 1 48 --reps 5 --new 64 --threads 1
 
-For each task and batch size B, the same prompts (max(2B, 8) rows of that task, so continuous
-batching keeps about B rows active) are generated greedily, EOS respected, by the engine at
+For each task and batch size B, the same prompts (max(2B, --min-prompts) rows of that task, so
+continuous batching keeps about B rows active, and a batch-1 call lasts long enough, about a
+second here, to time) are generated greedily, EOS respected, by the engine at
 each fixed gamma and at `auto`. `auto` runs as a steady-state shard does: with the acceptance
 prior of one earlier (warm-up) run of the same task. Runs are interleaved round-robin over
 --reps repetitions and the median is taken; ratios are within this one run. Prints a Markdown
@@ -51,7 +52,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 48])
     ap.add_argument("--gamma-max", type=int, default=5)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--min-prompts", type=int, default=24)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gamma_policy.json"))
@@ -66,7 +68,7 @@ def main() -> None:
     cells = {}
     for task in args.tasks:
         for b in args.batches:
-            prompts = task_prompts(args.data, task, max(2 * b, 8))
+            prompts = task_prompts(args.data, task, max(2 * b, args.min_prompts))
             engine.max_batch_size = b
             warm = engine.auto_policy()                       # an earlier shard of this task
             engine.generate(prompts, params, gamma=warm)

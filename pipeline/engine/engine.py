@@ -272,10 +272,15 @@ class _Run:
         every row when few are active, else those within gamma_max tokens of their budget."""
         if not self.refine or not self.gamma_cap:
             return ()
-        rows = [r for r in self.slots.rows[:n] if r is not None]
-        few = n <= FEW_ROWS
-        return tuple(sorted((r.max_new - len(r.tokens), r.drafted_steps, r.first_hits) for r in rows
-                            if few or r.max_new - len(r.tokens) <= self.gamma_cap))
+        cap, few = self.gamma_cap, n <= FEW_ROWS
+        apart = []
+        for r in self.slots.rows[:n]:
+            if r is None:
+                continue
+            left = r.max_new - len(r.tokens)          # more than gamma_max left never binds: one value
+            if few or left <= cap:                    # for all of those keeps the decision reusable
+                apart.append((min(left, cap + 1), r.drafted_steps, r.first_hits))
+        return tuple(sorted(apart))
 
     # ---- sampling ------------------------------------------------------------------------------
     def _pick_draft(self, logits, keys, positions):
