@@ -52,6 +52,17 @@ def test_drifted_steps_mark_the_model_stale_and_a_new_profile_resets():
     assert not tracker.local.samples
 
 
+def test_a_lasting_change_at_one_shape_is_followed_not_drift():
+    tracker = measured_tracker()
+    slow = [s for s in records(scale=3.0, seed=3) if s.rows == 1 and s.gamma == 0 and s.context_len == 64]
+    for _ in range(64):                                  # the correction follows within a few steps
+        tracker.record(slow[0])
+    assert not tracker.needs_profile()
+    s = slow[0]
+    assert tracker.model().step_s(s.rows, s.gamma, s.context_len) == pytest.approx(
+        s.verify_s + s.draft_s, rel=1e-6)
+
+
 def test_steps_at_unmeasured_shapes_are_not_drift():
     tracker = CostTracker(window=32)
     tracker.set_profile(records())

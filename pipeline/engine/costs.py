@@ -5,10 +5,11 @@ Every step the engine runs is `record`ed: it joins the window the smooth model i
 and the per-shape local correction (pipeline.spec.cost.LocalCorrection), which prices it at once.
 
 Stale means re-profile before the next shard, for one of two measured reasons:
-- drift: over the last `window` steps at shapes already measured when the model was last fitted,
-  the measured step time is off what was measured there by more than `drift` x (median ratio),
-  e.g. a co-tenant appeared or clocks changed. Shapes not yet measured are not evidence of drift
-  (the smooth model is off by tens of percent at some shapes; the local correction fixes that);
+- drift: over the last `window` steps at shapes already measured, the step time is off what the
+  last steps at the same shape took by more than `drift` x (median ratio), e.g. a co-tenant
+  appeared or clocks changed. Shapes not yet measured are not evidence of drift (the smooth
+  model is off by tens of percent at some shapes; the local correction fixes that), and a
+  change the per-shape correction has already followed is not either;
 - utilisation: the accelerator's utilisation during a shard (NVML on CUDA, the process's CPU
   share on CPU) moved by more than `util_jump` from what it was when the profile was taken.
   A jump up at the same batch means the device has become compute-bound (or shared), which
@@ -39,7 +40,6 @@ class CostTracker:
         self.profiles_taken = 0
         self.fits, self.fit_seconds = 0, 0.0   # how many fits, and their total time (for benchmarks)
         self._model: CostModel | None = None
-        self._fitted_factors: dict = {}   # the local factors as of the last fit (the drift reference)
         self._fit_s = 0.0                 # how long the last fit took
         self._new_steps = 0               # refining steps since the last fit ...
         self._new_work_s = 0.0            # ... and the step time they took
@@ -55,7 +55,7 @@ class CostTracker:
         self.ratios.clear()
         self.baseline_util, self.stale_reason = None, None
         self.profiles_taken += 1
-        self._model, self._fitted_factors = None, {}
+        self._model = None
 
     def model(self) -> CostModel | None:
         """The fitted model over the profile and the recorded steps. Refitted (the online
@@ -67,7 +67,6 @@ class CostTracker:
         if self._model is None or due:
             t0 = time.perf_counter()
             self._model = fit_cost_model(list(self.steps)[-self.fit_steps:], profile=self.profile, local=self.local)
-            self._fitted_factors = dict(self.local.factors)
             self._fit_s = time.perf_counter() - t0
             self.fits += 1
             self.fit_seconds += self._fit_s
@@ -81,9 +80,9 @@ class CostTracker:
         self.steps.append(step)
         model = self._model
         if model is not None:
-            key = self.local.key(step.gamma, step.rows, step.context_len)
-            if key in self._fitted_factors:
-                predicted = model.modelled_step_s(step.rows, step.gamma, step.context_len) * self._fitted_factors[key]
+            factor = self.local.factors.get(self.local.key(step.gamma, step.rows, step.context_len))
+            if factor is not None:
+                predicted = model.modelled_step_s(step.rows, step.gamma, step.context_len) * factor
                 if predicted > 0:
                     self.ratios.append(step_seconds(step) / predicted)
                     self._check_drift()
