@@ -8,8 +8,12 @@ continuous batching keeps about B rows active, and a batch-1 call lasts long eno
 second here, to time) are generated greedily, EOS respected, by the engine at
 each fixed gamma and at `auto`. `auto` runs as a steady-state shard does: with the acceptance
 prior of one earlier (warm-up) run of the same task. Runs are interleaved round-robin over
---reps repetitions and the median is taken; ratios are within this one run. Prints a Markdown
-table and writes JSON to --out.
+--reps repetitions, in reverse order every other repetition (so a slow drift of the machine's
+speed does not favour the systems run first), and the median is taken; ratios are within this
+one run. Two ratios are given: of the medians, and paired (auto's time in each repetition
+against the best fixed gamma's in the same repetition, median over repetitions), which cancels
+the repetition-to-repetition swings of a shared machine. Prints a Markdown table and writes
+JSON to --out.
 """
 from __future__ import annotations
 
@@ -77,7 +81,7 @@ def main() -> None:
     for rep in range(args.reps):
         for (task, b), cell in cells.items():
             engine.max_batch_size = b
-            for g in fixed + ["auto"]:
+            for g in (fixed + ["auto"]) if rep % 2 == 0 else (["auto"] + fixed[::-1]):
                 before = (engine.costs.profiles_taken, engine.costs.fits, engine.costs.fit_seconds)
                 gamma = engine.auto_policy(prior=cell["prior"]) if g == "auto" else g
                 dt, tokens = timed(engine, cell["prompts"], params, gamma)
@@ -97,16 +101,24 @@ def main() -> None:
                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
               "model": str(args.model), "new_tokens": args.new, "reps": args.reps, "cells": []}
     print(f"model {args.model} on {engine.device} ({torch.get_num_threads()} threads)\n")
-    print("| task | batch | " + " | ".join(f"gamma={g}" for g in fixed) + " | auto | auto / best fixed | auto / gamma 0 | auto picked |")
-    print("|---|---|" + "---|" * (len(fixed) + 4))
+    print("| task | batch | " + " | ".join(f"gamma={g}" for g in fixed)
+          + " | auto | auto / best fixed | auto / gamma 0 | paired: auto / best | paired: auto / gamma 0 | auto picked |")
+    print("|---|---|" + "---|" * (len(fixed) + 6))
     for (task, b), cell in cells.items():
         tps = {g: statistics.median(v) for g, v in cell["times"].items()}
-        best = max(tps[g] for g in fixed)
+        best_g = max(fixed, key=lambda g: tps[g])
+        best = tps[best_g]
+        runs = cell["times"]
+        paired_best = statistics.median(a / f for a, f in zip(runs["auto"], runs[best_g]))
+        paired_0 = statistics.median(a / f for a, f in zip(runs["auto"], runs[0]))
         picked = ", ".join(f"{g}:{n}" for g, n in sorted(cell["picked"].items()))
         print(f"| {task} | {b} | " + " | ".join(f"{tps[g]:.0f}" for g in fixed)
-              + f" | {tps['auto']:.0f} | {tps['auto'] / best:.2f} | {tps['auto'] / tps[0]:.2f} | {picked} |")
+              + f" | {tps['auto']:.0f} | {tps['auto'] / best:.2f} | {tps['auto'] / tps[0]:.2f}"
+              + f" | {paired_best:.2f} | {paired_0:.2f} | {picked} |")
         report["cells"].append({"task": task, "batch": b, "tokens_per_s": {str(g): v for g, v in tps.items()},
                                 "auto_over_best_fixed": tps["auto"] / best, "auto_over_gamma0": tps["auto"] / tps[0],
+                                "best_fixed_gamma": best_g, "paired_auto_over_best_fixed": paired_best,
+                                "paired_auto_over_gamma0": paired_0,
                                 "auto_steps_per_gamma": dict(cell["picked"]), "auto_reason": cell.get("reason", ""),
                                 "prior_acceptance_by_depth": cell["prior"].acceptance_by_depth(),
                                 "auto_first_predicted_tokens_per_s": cell.get("predicted", []),

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.demo.mtp_math import (depth_weights, expected_tokens_per_step, mtp_loss,
-                                    teacher_forced_acceptance, unrolled_head_logits)
+from pipeline.demo.mtp_math import depth_weights, mtp_loss, teacher_forced_acceptance, unrolled_head_logits
 from pipeline.demo.train_mtp import MTPTrainSpec, collate, evaluate_heads, train_mtp_heads
 from pipeline.model.loader import load_model
 from pipeline.model.mtp import MTPHead, save_mtp_heads
 from pipeline.model.tiny import make_tiny_checkpoint
+from pipeline.spec.policy import expected_tokens
 
 
 @torch.no_grad()
@@ -36,8 +36,8 @@ def tiny(tmp_path_factory):
 
 
 def test_expected_tokens_and_depth_weights():
-    assert expected_tokens_per_step([0.5, 0.5], 2) == pytest.approx(1.75)
-    assert expected_tokens_per_step([1.0, 1.0, 1.0], 3) == 4.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0
     assert depth_weights(3, 0.5) == [1.0, 0.5, 0.25]
 
 
@@ -70,7 +70,7 @@ def test_training_lowers_loss_and_raises_acceptance(tiny, tmp_path):
         after, _ = mtp_loss(heads, hidden, teacher, ids, w, 2, 0.6, 0.5)
     assert after.item() < 0.7 * before.item()
     assert acc_after[0] > acc_before[0] + 0.2
-    assert expected_tokens_per_step(acc_after, 2) > expected_tokens_per_step(acc_before, 2)
+    assert expected_tokens(acc_after, 2) > expected_tokens(acc_before, 2)
 
 
 def test_saved_heads_read_back_give_same_drafts(tiny, tmp_path):

@@ -81,12 +81,3 @@ def teacher_forced_acceptance(heads, hidden, teacher_logits, ids, mask, depths: 
         alive = alive & right
         out.append(alive.sum().item() / max(1, n_before))
     return out
-
-
-def expected_tokens_per_step(acceptance: list[float], gamma: int) -> float:
-    """E(gamma) = 1 + sum_{j<=gamma} prod_{k<=j} a_k (DESIGN.md), e.g. [0.5, 0.5], 2 -> 1.75."""
-    total, prod = 1.0, 1.0
-    for a in acceptance[:gamma]:
-        prod *= a
-        total += prod
-    return total

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.demo.mtp_math import expected_tokens_per_step, mtp_loss, teacher_forced_acceptance
+from pipeline.demo.mtp_math import mtp_loss, teacher_forced_acceptance
+from pipeline.spec.policy import expected_tokens
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def train_mtp_into(model_dir: Path, train_prompts: list[str], eval_prompts: list
     heads, acc = train_mtp_heads(loaded, data["train"], data["eval"], spec, work_dir, log=log)
     save_mtp_heads(model_dir, [h.float().cpu() for h in heads])
     report = {"teacher_forced_acceptance": [round(a, 4) for a in acc],
-              "expected_tokens_per_step_gamma3": round(expected_tokens_per_step(acc, 3), 3)}
+              "expected_tokens_per_step_gamma3": round(expected_tokens(acc, 3), 3)}
     log(f"MTP heads written to {model_dir}: {report}")
     return report
 

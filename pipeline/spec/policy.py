@@ -81,8 +81,8 @@ class FixedGamma:
 def expected_tokens(acceptance: list[float], gamma: int) -> float:
     """E(gamma) = 1 + sum_j prod_{k<=j} a_k. Example: a = [0.8, 0.5], gamma 2 -> 1 + 0.8 + 0.4 = 2.2."""
     total, run = 1.0, 1.0
-    for k in range(gamma):
-        run *= acceptance[k]
+    for a in acceptance[:gamma]:
+        run *= a
         total += run
     return total
 
