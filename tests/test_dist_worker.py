@@ -155,12 +155,12 @@ def test_auto_gamma_on_a_real_engine_calibrates_once_per_task(tmp_path):
     pq.write_table(pa.table(rows), tmp_path / "d.parquet")
     source = open_source(str(tmp_path / "d.parquet"))
     data = DataConfig(path=str(tmp_path / "d.parquet"), prompt_column="text")
-    shards = plan_shards(source, 48)          # 48 rows: more than the 64 calibration row-steps
+    shards = plan_shards(source, 48)          # 48 rows x 48 tokens: past the 256 calibration row-steps
     priors = {}
     stats = []
     for shard in shards:
         task = ShardTask(shard, 1, source.files, source.file_rows, data, (),
-                         SamplingConfig(max_new_tokens=24), "auto", gamma_max=4)
+                         SamplingConfig(max_new_tokens=48), "auto", gamma_max=4)
         stats.append(process_shard(engine, task, {"device": "cpu"}, priors).stats_rows[0])
     first, second = stats
     assert "calibration steps" in first["gamma_reason"]

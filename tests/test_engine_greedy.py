@@ -80,8 +80,8 @@ def test_gamma_changes_between_steps(root):
 def test_auto_policy_records_a_decision_per_step(root):
     path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.05, with_tokenizer=False)
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=8, gamma_max=4)
-    prompts = random_prompts([4, 8, 2, 11, 6, 3] * 5, 128, seed=5)
-    engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True), gamma="auto")
+    prompts = random_prompts([4, 8, 2, 11, 6, 3] * 5, 128, seed=5)     # ~600 row-steps: past calibration
+    engine.generate(prompts, SamplingParams(max_new_tokens=96, ignore_eos=True), gamma="auto")
     decisions = engine.last_policy.decisions
     steps = engine.last_stats.steps
     assert len(decisions) == len(steps) and [d.gamma for d in decisions] == [s.gamma for s in steps]
