@@ -7,7 +7,8 @@ For each task and batch size B, the same prompts (max(2B, --min-prompts) rows of
 continuous batching keeps about B rows active, and a batch-1 call lasts long enough, about a
 second here, to time) are generated greedily, EOS respected, by the engine at
 each fixed gamma and at `auto`. `auto` runs as a steady-state shard does: with the acceptance
-prior of one earlier (warm-up) run of the same task. Runs are interleaved round-robin over
+prior of earlier (warm-up) runs of the same task, repeated until the policy's calibration is
+done (short-answer tasks need several: summarize at batch 1 gives ~100 row-steps per run). Runs are interleaved round-robin over
 --reps repetitions, in reverse order every other repetition (so a slow drift of the machine's
 speed does not favour the systems run first), and the median is taken; ratios are within this
 one run. Two ratios are given: of the medians, and paired (auto's time in each repetition
@@ -30,6 +31,7 @@ import torch
 
 from pipeline.demo.tasks import TEMPLATES      # the demo tasks' prompt formats
 from pipeline.engine import Engine, SamplingParams
+from pipeline.spec.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "pipeline" / "assets" / "demo" / "model"
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--min-prompts", type=int, default=24)
+    ap.add_argument("--max-warmups", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gamma_policy.json"))
@@ -74,9 +77,13 @@ def main() -> None:
         for b in args.batches:
             prompts = task_prompts(args.data, task, max(2 * b, args.min_prompts))
             engine.max_batch_size = b
-            warm = engine.auto_policy()                       # an earlier shard of this task
-            engine.generate(prompts, params, gamma=warm)
-            prior = engine.last_stats.counts()
+            prior = SpecStats()              # earlier shards of this task: warm-up runs until calibrated
+            for _ in range(args.max_warmups):
+                warm = engine.auto_policy(prior=prior)
+                engine.generate(prompts, params, gamma=warm)
+                prior = prior.merge(engine.last_stats.counts())
+                if prior.reached and prior.reached[0] >= warm.calibration_rows:
+                    break
             cells[(task, b)] = {"prompts": prompts, "prior": prior, "times": {}, "picked": Counter()}
     for rep in range(args.reps):
         for (task, b), cell in cells.items():
@@ -121,6 +128,7 @@ def main() -> None:
                                 "paired_auto_over_gamma0": paired_0,
                                 "auto_steps_per_gamma": dict(cell["picked"]), "auto_reason": cell.get("reason", ""),
                                 "prior_acceptance_by_depth": cell["prior"].acceptance_by_depth(),
+                                "prior_row_steps_drafted": cell["prior"].reached[0] if cell["prior"].reached else 0,
                                 "auto_first_predicted_tokens_per_s": cell.get("predicted", []),
                                 "tokens_per_s_per_rep": {str(g): v for g, v in cell["times"].items()},
                                 "auto_calls": cell.get("auto_calls", []),
