@@ -151,11 +151,12 @@ def test_auto_gamma_on_a_real_engine_calibrates_once_per_task(tmp_path):
 
     path = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=8)
-    rows = {"text": [f"the quick brown fox {i}" for i in range(96)]}
+    rows = {"text": [f"the quick brown fox {i}" for i in range(320)]}
     pq.write_table(pa.table(rows), tmp_path / "d.parquet")
     source = open_source(str(tmp_path / "d.parquet"))
     data = DataConfig(path=str(tmp_path / "d.parquet"), prompt_column="text")
-    shards = plan_shards(source, 48)          # 48 rows x 48 tokens: past the 256 calibration row-steps
+    shards = plan_shards(source, 160)         # 160 rows: past the 256 calibration row-steps even when
+                                              # the tiny tokenizer's EOS ends rows after ~25 tokens
     priors = {}
     stats = []
     for shard in shards:

@@ -269,10 +269,12 @@ class _Run:
 
     def _rows_apart(self, n: int) -> tuple:
         """For the cost-model policy: the rows it prices on their own (pipeline.spec.policy):
-        every row when few are active, else those within gamma_max tokens of their budget."""
+        every row at a tail (queue empty, few rows left), else those within gamma_max tokens of
+        their budget. Not every row of a small batch: a fresh row is a typical one, and a row
+        priced down to gamma 0 after two misses would draft no more and never be priced up."""
         if not self.refine or not self.gamma_cap:
             return ()
-        cap, few = self.gamma_cap, n <= FEW_ROWS
+        cap, few = self.gamma_cap, n <= FEW_ROWS and not self.queue
         apart = []
         for r in self.slots.rows[:n]:
             if r is None:

@@ -6,10 +6,10 @@
 Some rows are priced on their own (`StepContext.rows_apart`), the rest at the task's E:
 - a row that may take only r more tokens (its max_new_tokens budget) gains nothing from drafts
   beyond r - 1, so its E is taken at min(gamma, r - 1);
-- when at most `FEW_ROWS` rows are active (a shard's tail), each row's own first-draft hit rate
-  scales the task's a_k for it (Beta prior of weight `ROW_PRIOR` at the task's a_1). With many
-  rows the batch's mean acceptance is the task's; the few rows left at the end are the ones that
-  ran longest, and on the demo model they accept far less than the task's average.
+- at a shard's tail (no rows queued, at most `FEW_ROWS` active), each row's own first-draft hit
+  rate scales the task's a_k for it (Beta prior of weight `ROW_PRIOR` at the task's a_1). A
+  fresh row is a typical one, priced at the task's E; the few rows left at the end are the ones
+  that ran longest, and on the demo model they accept far less than the task's average.
 
 `GoodputPolicy` picks the gamma in 0..gamma_max with the highest predicted goodput, from
 per-depth acceptance a_k (this task's earlier shards as a prior, plus what this run measured)
