@@ -40,8 +40,8 @@ predictions carry a few percent of error, and where speculation's predicted gain
 plain decoding is the choice that cannot lose to gamma 0. Among speculative gammas the argmax
 stands.
 
-A decision is reused for up to `recheck_steps` steps while the row count, the cost model and
-the context bucket stay the same: acceptance estimates move slowly, and deciding costs tens of
+A decision is reused for up to `recheck_steps` steps while the row count, the cost model, the
+context bucket and the rows priced apart stay the same: acceptance estimates move slowly, and deciding costs tens of
 microseconds, a percent of a small model's step on a CPU.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Callable, Protocol
 from pipeline.spec.cost import MIN_LOCAL, CostModel
 from pipeline.spec.stats import SpecStats
 
-FEW_ROWS = 8            # at most this many active rows: each is priced with its own acceptance
+FEW_ROWS = 8            # at a tail (none queued), at most this many rows: each priced with its own acceptance
 ROW_PRIOR = 4.0         # weight (row-steps) of the task's a_1 in a row's own first-draft estimate
 
 
