@@ -1,7 +1,7 @@
 """gamma=auto against every fixed gamma, per demo task, at a small and a large batch.
 
     python benchmarks/gamma_policy.py                          # demo model and dataset
-    python benchmarks/gamma_policy.py --batches 1 48 --reps 5 --new 64 --threads 1
+    python benchmarks/gamma_policy.py --batches 1 48 --reps 7 --new 64 --threads 1
 
 For each task and batch size B, the same prompts (max(2B, --min-prompts) rows of that task, so
 continuous batching keeps about B rows active, and a batch-1 call lasts long enough, about a
@@ -12,9 +12,11 @@ done (short-answer tasks need several: summarize at batch 1 gives ~100 row-steps
 --reps repetitions, in reverse order every other repetition (so a slow drift of the machine's
 speed does not favour the systems run first), and the median is taken; ratios are within this
 one run. Two ratios are given: of the medians, and paired (auto's time in each repetition
-against the best fixed gamma's in the same repetition, median over repetitions), which cancels
-the repetition-to-repetition swings of a shared machine. Prints a Markdown table and writes
-JSON to --out.
+against the best fixed gamma's in the same repetition: median, and range over repetitions),
+which cancels the repetition-to-repetition swings of a shared machine. A control runs gamma 0
+twice in each repetition, next to auto: its paired ratio to gamma 0 is what two identical
+systems measure apart here, the noise floor against which auto / gamma 0 is read. Prints a
+Markdown table and writes JSON to --out.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from pipeline.spec.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "pipeline" / "assets" / "demo" / "model"
+CONTROL = "gamma=0 again"        # gamma 0 run twice per repetition: the machine's noise floor
 DEMO_DATA = ROOT / "pipeline" / "assets" / "demo" / "data" / "demo.parquet"
 
 
@@ -50,6 +53,16 @@ def timed(engine: Engine, prompts, params, gamma) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
 
 
+def paired(a: list[float], b: list[float]) -> dict:
+    """a / b within each repetition: the median and the range over repetitions."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def show(r: dict) -> str:
+    return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEMO_MODEL)
@@ -58,7 +71,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 48])
     ap.add_argument("--gamma-max", type=int, default=5)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--min-prompts", type=int, default=24)
     ap.add_argument("--max-warmups", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0)
@@ -72,6 +85,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new, temperature=0.0)
     engine.ensure_profile()
     fixed = list(range(args.gamma_max + 1))
+    systems = fixed + [CONTROL, "auto"]     # CONTROL: gamma 0 a second time, the noise floor
     cells = {}
     for task in args.tasks:
         for b in args.batches:
@@ -88,9 +102,9 @@ def main() -> None:
     for rep in range(args.reps):
         for (task, b), cell in cells.items():
             engine.max_batch_size = b
-            for g in (fixed + ["auto"]) if rep % 2 == 0 else (["auto"] + fixed[::-1]):
+            for g in systems if rep % 2 == 0 else systems[::-1]:
                 before = (engine.costs.profiles_taken, engine.costs.fits, engine.costs.fit_seconds)
-                gamma = engine.auto_policy(prior=cell["prior"]) if g == "auto" else g
+                gamma = engine.auto_policy(prior=cell["prior"]) if g == "auto" else 0 if g == CONTROL else g
                 dt, tokens = timed(engine, cell["prompts"], params, gamma)
                 cell["times"].setdefault(g, []).append(tokens / dt)
                 steps = engine.last_stats.steps
@@ -109,28 +123,28 @@ def main() -> None:
               "model": str(args.model), "new_tokens": args.new, "reps": args.reps, "cells": []}
     print(f"model {args.model} on {engine.device} ({torch.get_num_threads()} threads)\n")
     print("| task | batch | " + " | ".join(f"gamma={g}" for g in fixed)
-          + " | auto | auto / best fixed | auto / gamma 0 | paired: auto / best | paired: auto / gamma 0 | auto picked |")
-    print("|---|---|" + "---|" * (len(fixed) + 6))
+          + " | auto | auto / best fixed | auto / gamma 0 | paired: auto / best | paired: auto / gamma 0"
+          + " | control, paired: gamma 0 again / gamma 0 | auto picked (steps) |")
+    print("|---|---|" + "---|" * (len(fixed) + 7))
     for (task, b), cell in cells.items():
-        tps = {g: statistics.median(v) for g, v in cell["times"].items()}
-        best_g = max(fixed, key=lambda g: tps[g])
-        best = tps[best_g]
         runs = cell["times"]
-        paired_best = statistics.median(a / f for a, f in zip(runs["auto"], runs[best_g]))
-        paired_0 = statistics.median(a / f for a, f in zip(runs["auto"], runs[0]))
+        tps = {g: statistics.median(v) for g, v in runs.items()}
+        best_g = max(fixed, key=lambda g: tps[g])
+        paired_best, paired_0, control = (paired(runs[a], runs[f]) for a, f in
+                                          (("auto", best_g), ("auto", 0), (CONTROL, 0)))
         picked = ", ".join(f"{g}:{n}" for g, n in sorted(cell["picked"].items()))
         print(f"| {task} | {b} | " + " | ".join(f"{tps[g]:.0f}" for g in fixed)
-              + f" | {tps['auto']:.0f} | {tps['auto'] / best:.2f} | {tps['auto'] / tps[0]:.2f}"
-              + f" | {paired_best:.2f} | {paired_0:.2f} | {picked} |")
+              + f" | {tps['auto']:.0f} | {tps['auto'] / tps[best_g]:.2f} | {tps['auto'] / tps[0]:.2f}"
+              + f" | {show(paired_best)} | {show(paired_0)} | {show(control)} | {picked} |")
         report["cells"].append({"task": task, "batch": b, "tokens_per_s": {str(g): v for g, v in tps.items()},
-                                "auto_over_best_fixed": tps["auto"] / best, "auto_over_gamma0": tps["auto"] / tps[0],
+                                "auto_over_best_fixed": tps["auto"] / tps[best_g], "auto_over_gamma0": tps["auto"] / tps[0],
                                 "best_fixed_gamma": best_g, "paired_auto_over_best_fixed": paired_best,
-                                "paired_auto_over_gamma0": paired_0,
+                                "paired_auto_over_gamma0": paired_0, "paired_control_over_gamma0": control,
                                 "auto_steps_per_gamma": dict(cell["picked"]), "auto_reason": cell.get("reason", ""),
                                 "prior_acceptance_by_depth": cell["prior"].acceptance_by_depth(),
                                 "prior_row_steps_drafted": cell["prior"].reached[0] if cell["prior"].reached else 0,
                                 "auto_first_predicted_tokens_per_s": cell.get("predicted", []),
-                                "tokens_per_s_per_rep": {str(g): v for g, v in cell["times"].items()},
+                                "tokens_per_s_per_rep": {str(g): v for g, v in runs.items()},
                                 "auto_calls": cell.get("auto_calls", []),
                                 "overhead_ms_per_step": {str(g): statistics.median(v) for g, v in cell["overhead_ms"].items()}})
     args.out.parent.mkdir(parents=True, exist_ok=True)

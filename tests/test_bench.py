@@ -71,3 +71,28 @@ def test_bench_quick_job_runs_through_hydra(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "bench.md").exists() and "gamma=1" in (out / "bench.md").read_text()
+
+
+def test_gamma_policy_benchmark_runs_every_system_with_its_control(tmp_path):
+    """benchmarks/gamma_policy.py on the demo model at toy sizes: every fixed gamma, the gamma-0
+    control and auto are timed on the same prompts, and the ratios come from those timings."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gp.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gamma_policy.py"), "--threads", "1",
+                           "--new", "4", "--reps", "2", "--tasks", "json", "--batches", "1", "--min-prompts", "2",
+                           "--gamma-max", "2", "--max-warmups", "1", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cell = json.loads(out.read_text())["cells"][0]
+    runs = cell["tokens_per_s_per_rep"]
+    assert set(runs) == {"0", "1", "2", "gamma=0 again", "auto"} and all(len(v) == 2 for v in runs.values())
+    ratios = sorted(a / b for a, b in zip(runs["gamma=0 again"], runs["0"]))
+    assert cell["paired_control_over_gamma0"] == {"median": sum(ratios) / 2, "min": ratios[0], "max": ratios[1]}
+    best = max(("0", "1", "2"), key=lambda g: cell["tokens_per_s"][g])
+    assert cell["best_fixed_gamma"] == int(best)
+    assert sum(cell["auto_steps_per_gamma"].values()) == sum(c["steps"] for c in cell["auto_calls"])
+    assert "| json | 1 |" in proc.stdout

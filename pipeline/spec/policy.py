@@ -16,7 +16,9 @@ per-depth acceptance a_k (this task's earlier shards as a prior, plus what this 
 and a cost model fitted from measured steps. gamma = 0 is always a candidate: where the
 accelerator is compute-bound, verifying gamma + 1 tokens costs about gamma + 1 times one, and
 speculation loses. The engine asks before every step, so the choice follows the active batch
-as it shrinks at a shard's tail (fewer rows leave more idle compute: gamma never drops).
+as it shrinks at a shard's tail (fewer rows leave more idle compute: for rows at the task's
+acceptance gamma never drops). The one way it can drop is a row priced on its own: a tail row
+whose own drafts keep missing, or one a token or two from its budget, is worth fewer drafts.
 
 A task with too few observations is calibrated first: gamma_max for `calibration_rows` (256)
 row-steps, since one step at gamma_max observes every depth at once. Once calibrated, a task
