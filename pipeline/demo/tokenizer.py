@@ -20,7 +20,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet()),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(
