@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pipeline.spec.cost import MIN_LOCAL, CostModel, LocalCorrection, fit_cost_model
+from pipeline.spec.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection, fit_cost_model
 from pipeline.spec.policy import (ROW_PRIOR, GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
                                   expected_tokens, row_acceptance)
 from pipeline.spec.stats import SpecStats, StepRecord
@@ -227,3 +227,77 @@ def test_a_row_apart_is_priced_with_its_own_first_draft_hit_rate():
     hard = choose_gamma(ROOFLINE, acc, 1, 100, GMAX, rows_apart=((50, 10, 0),))  # never a first draft right
     assert hard.gamma < typical.gamma
     assert row_acceptance(acc, 10, 0)[0] == pytest.approx(ROW_PRIOR * 0.8 / (10 + ROW_PRIOR))
+
+
+def _timed_steps(local, model, gamma, ms, n, rows=1, ctx=100):
+    for _ in range(n):
+        local.add(StepRecord(gamma, rows, gamma + 1, ctx, ctx, ms * 1e-3, 0.0, rows), model)
+
+
+def _spell_setup():
+    """One row, acceptance 0.3: plain decoding at 10 ms beats gamma 1 at 14 ms (1.3 tokens), but
+    gamma 0 was last measured in a 1.5x slow spell (15 ms), so speculation looks 1.39x better."""
+    local = LocalCorrection()
+    measured = replace(ROOFLINE, local=local)
+    prior = SpecStats()
+    prior.reached, prior.accepted = [10000] * GMAX, [3000] * GMAX
+    _timed_steps(local, measured, 1, 14.0, 8)
+    _timed_steps(local, measured, 0, 15.0, 8)
+    return local, measured, GoodputPolicy(GMAX, lambda: measured, prior)
+
+
+def test_gamma_0_priced_in_a_slow_spell_is_re_measured_within_its_budget():
+    local, measured, policy = _spell_setup()
+    ctx = StepContext(rows=1, context_len=100, stats=SpecStats())
+    first = policy.choose(ctx)
+    d = policy.decisions[-1]
+    assert first > 0 and not d.measuring
+    gap = d.predicted_goodput[first] / d.predicted_goodput[0] - 1
+    due = MIN_LOCAL * gap / policy.remeasure_share
+    steps = 0
+    while (g := policy.choose(ctx)) > 0:       # speculate, at what gamma `first` really costs
+        ms = 14.0 * measured.modelled_step_s(1, g, 100) / measured.modelled_step_s(1, 1, 100)
+        _timed_steps(local, measured, g, ms, 1)
+        steps += 1
+        assert steps <= due + policy.recheck_steps + 1, "gamma 0 never re-measured"
+    assert steps >= due - 1                    # not before its budget allows
+    for i in range(MIN_LOCAL):                 # the re-measure runs its MIN_LOCAL steps
+        assert policy.decisions[-1].measuring and "re-measuring gamma=0" in policy.decisions[-1].reason
+        _timed_steps(local, measured, 0, 10.0, 1)
+        g = policy.choose(ctx)
+    assert g == 0 and not policy.decisions[-1].measuring          # plain decoding, as measured now
+    assert measured.step_s(1, 0, 100) == pytest.approx(10e-3, rel=1e-6)   # the spell's steps gave way
+
+
+def test_revisited_bucket_keeps_only_a_few_old_steps():
+    local = LocalCorrection()
+    m = replace(ROOFLINE, local=local)
+    _timed_steps(local, m, 0, 15.0, 16)
+    _timed_steps(local, m, 1, 14.0, REVISIT_STEPS)          # not long enough away: nothing given way
+    _timed_steps(local, m, 0, 10.0, 1)
+    assert local.count(0, 1, 100) == 16 and m.step_s(1, 0, 100) == pytest.approx(15e-3)
+    _timed_steps(local, m, 1, 14.0, REVISIT_STEPS + 1)
+    _timed_steps(local, m, 0, 10.0, 1)
+    assert local.count(0, 1, 100) == MIN_LOCAL and local.visit_steps(0, 1, 100) == 1
+    _timed_steps(local, m, 0, 10.0, MIN_LOCAL - 1)
+    assert m.step_s(1, 0, 100) == pytest.approx(10e-3)       # the new steps are the majority
+    assert local.age(0, 1, 100) == 0 and local.age(1, 1, 100) == MIN_LOCAL
+
+
+def test_a_speculative_runner_up_is_re_measured_more_rarely_than_gamma_0():
+    local, measured, policy = _spell_setup()
+    _timed_steps(local, measured, 0, 10.0, 16)               # gamma 0 re-measured: now the choice
+    ctx = StepContext(rows=1, context_len=100, stats=SpecStats())
+    assert policy.choose(ctx) == 0 and not policy.decisions[-1].measuring
+    d = policy.decisions[-1]
+    alt = max(range(1, GMAX + 1), key=lambda g: d.predicted_goodput[g])
+    gap = d.predicted_goodput[0] / d.predicted_goodput[alt] - 1
+    due = MIN_LOCAL * max(gap, policy.min_gain) / policy.respeculate_share
+    assert due > 4 * MIN_LOCAL * max(gap, policy.min_gain) / policy.remeasure_share
+    steps = 0
+    while policy.choose(ctx) == 0:
+        _timed_steps(local, measured, 0, 10.0, 1)
+        steps += 1
+        assert steps <= due + policy.recheck_steps + 1
+    assert steps >= due - 16 - 1                 # the 16 gamma-0 steps above count towards the age
+    assert policy.decisions[-1].measuring and "re-measuring gamma=" in policy.decisions[-1].reason

@@ -30,6 +30,17 @@ measured one at the same rows: the same gamma at the nearest context first (a ga
 overheads carry across contexts), else the nearest gamma. What the engine runs is thus priced as
 measured, and a shape it has not run is priced by the model until it runs it.
 
+What a shape cost when it last ran is not what it costs now on a shared machine: some seconds run
+markedly slower than others (in the gamma-policy benchmark, of two identical calls in one
+repetition one ran up to 1.7x slower). A gamma run during a slow spell and then left stays
+priced at the spell, and the policy compares it with gammas measured since: one 1.5x-slow call
+at gamma 0 made `auto` speculate for the next four calls on summarize at batch 1, 14-20% below
+gamma 0 (a throwaway check that slowed the target's forward). So each bucket counts the engine's
+steps since it last ran (`age`), and the policy re-measures the gamma it is not running
+(pipeline.spec.policy). When a bucket runs again after more than REVISIT_STEPS steps elsewhere,
+only its newest MIN_LOCAL - 1 old steps are kept: after MIN_LOCAL new steps the new ones are
+the majority, and its median is what the shape costs now.
+
 Fits minimise relative error (times span orders of magnitude) under non-negativity. The
 start-up profile times bare forwards and covers every shape; the steps the engine really ran
 include everything around them but only the shapes it chose. So both are fitted (the profile
@@ -47,6 +58,7 @@ import torch
 
 MIN_LOCAL = 4           # real steps at a (gamma, rows, context) bucket before they correct the model there
 KEEP_LOCAL = 16         # the most recent steps per bucket that do
+REVISIT_STEPS = 32      # a bucket run again after this many steps elsewhere: its old steps give way (below)
 
 
 def nnls(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -143,6 +155,9 @@ class LocalCorrection:
         self.samples: dict[tuple, deque] = {}       # key -> (rows, ctx, seconds) of its last steps
         self.ratios: dict[tuple, deque] = {}        # key -> measured / modelled of the same steps
         self.factors: dict[tuple, float] = {}       # key -> median ratio, keys with >= MIN_LOCAL
+        self.clock = 0                              # steps added, all buckets
+        self.last: dict[tuple, int] = {}            # key -> clock at its newest step
+        self.visit: dict[tuple, int] = {}           # key -> steps since it was last revisited (or first run)
         self._by_rows: dict[int, list] = {}         # rows bucket -> measured (gamma, context bucket)
         self._source: dict[tuple, tuple | None] = {}    # key -> the measured key it takes (memo)
 
@@ -154,11 +169,29 @@ class LocalCorrection:
         """Steps kept at this bucket."""
         return len(self.samples.get(self.key(gamma, rows, ctx), ()))
 
+    def age(self, gamma: int, rows: int, ctx: float) -> int | None:
+        """Steps the engine ran elsewhere since this bucket's newest step; None if never run."""
+        last = self.last.get(self.key(gamma, rows, ctx))
+        return None if last is None else self.clock - last
+
+    def visit_steps(self, gamma: int, rows: int, ctx: float) -> int:
+        """Steps at this bucket since it was last revisited after REVISIT_STEPS elsewhere."""
+        return self.visit.get(self.key(gamma, rows, ctx), 0)
+
     def add(self, step, model: CostModel | None = None) -> None:
         """Record a step; with `model` (the smooth model this correction belongs to) price it now."""
         key = self.key(step.gamma, step.rows, step.context_len)
         sample = (step.rows, step.context_len, step_seconds(step))
-        self.samples.setdefault(key, deque(maxlen=self.keep)).append(sample)
+        kept = self.samples.setdefault(key, deque(maxlen=self.keep))
+        if key in self.last and self.clock - self.last[key] > REVISIT_STEPS:
+            for old in (kept, self.ratios.get(key)):     # revisited: the old steps give way to new ones
+                while old and len(old) > MIN_LOCAL - 1:
+                    old.popleft()
+            self.visit[key] = 0
+        kept.append(sample)
+        self.clock += 1
+        self.last[key] = self.clock
+        self.visit[key] = self.visit.get(key, 0) + 1
         if model is not None:
             self._price(key, model, [sample])
 

@@ -37,6 +37,24 @@ context) bucket, a speculative choice runs gamma 0 instead until it does. Otherw
 would be priced by a speculative gamma's correction, and on a CPU the two differ by tens of
 percent; the price is at most MIN_LOCAL plain steps per bucket, once per engine.
 
+Measurements age. On a shared machine a slow spell lasts seconds, and a gamma the policy stopped
+running keeps the price it had then (pipeline.spec.cost says what that did). So the runner-up
+is run again for MIN_LOCAL steps once the engine has run more than MIN_LOCAL * gap / share
+steps (any shape) since it last ran at this (rows, context) shape, gap being how far behind it
+is predicted (at least `min_gain`). Re-measuring thus costs about `share` of the steps' worth
+per shape the engine moves between (at batch 1, rows of different prompt lengths alternate
+between two or three context buckets), whatever the gap, and a runner-up mispriced by a spell
+is run again within MIN_LOCAL * gap / share steps. Age counts the engine's steps, not steps at
+the shape: a shape visited a few steps per row would otherwise stay mispriced for most of a shard.
+- Speculating, the runner-up is gamma 0, share `remeasure_share` (0.5%: ~800 * gap steps,
+  about a second at batch 1 here for a 30% gap). A gamma 0 priced high by a spell makes the
+  policy speculate where plain decoding is faster, below gamma 0, the one outcome to avoid.
+- At gamma 0, the runner-up is the best speculative gamma if any speculative gamma ever ran at
+  this shape (their predictions are close to each other, so the most recent of them counts),
+  share `respeculate_share` (0.1%): a speculative gamma priced high by a spell only delays a
+  gain, and re-measuring it costs plain decoding's throughput, so it waits five times longer.
+Those steps are marked `measuring`, as are the plain-decoding ones above.
+
 Speculation must predict more than `min_gain` (default 5%) over plain decoding to be chosen:
 predictions carry a few percent of error, and where speculation's predicted gain is within it,
 plain decoding is the choice that cannot lose to gamma 0. Among speculative gammas the argmax
@@ -51,7 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from pipeline.spec.cost import MIN_LOCAL, CostModel
+from pipeline.spec.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection
 from pipeline.spec.stats import SpecStats
 
 FEW_ROWS = 8            # at a tail (none queued), at most this many rows: each priced with its own acceptance
@@ -123,6 +141,8 @@ class GoodputPolicy:
     calibration_rows: int = 256
     recheck_steps: int = 8
     min_gain: float = 0.05
+    remeasure_share: float = 0.005      # what re-measuring gamma 0 while speculating may cost (share of steps x gap)
+    respeculate_share: float = 0.001    # ... and a speculative runner-up while at gamma 0
     decisions: list[Decision] = field(default_factory=list)
     _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
 
@@ -153,12 +173,39 @@ class GoodputPolicy:
         if model is None:
             return self._record(Decision(self.gamma_max, "no cost model yet: measuring", [], [], acc))
         d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart)
-        plain = model.local.count(0, ctx.rows, ctx.context_len) if model.local is not None else MIN_LOCAL
-        if d.gamma > 0 and plain < MIN_LOCAL:
-            d = Decision(0, f"rows={ctx.rows}: measuring plain decoding at this shape first ({plain}/{MIN_LOCAL} "
-                            f"steps) before speculating; then: {d.reason}",
-                         d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
+        if model.local is not None:
+            d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
         return self._record(d)
+
+    def _measure_runner_up(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
+        """Run the runner-up instead of `d` where its measurements at this shape need it (module
+        docstring): plain decoding before speculating here at all, and the runner-up again once
+        its steps here are older than its budget (`remeasure_share`, `respeculate_share`) allows."""
+        if d.gamma > 0:
+            alt = 0
+        elif len(d.candidates) > 1:
+            alt = max(d.candidates[1:], key=lambda g: d.predicted_goodput[g])
+        else:
+            return d
+        n = local.count(alt, rows, ctx)
+        if alt == 0 and n < MIN_LOCAL:
+            return Decision(0, f"rows={rows}: measuring plain decoding at this shape first ({n}/{MIN_LOCAL} steps) "
+                               f"before speculating; then: {d.reason}",
+                            d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
+        ages = [a for g in ([alt] if alt == 0 else d.candidates[1:]) if (a := local.age(g, rows, ctx)) is not None]
+        if not ages:
+            return d                    # no speculative gamma ever ran here: nothing measured to age
+        age = min(ages)                 # the speculative gammas as one: any of them run here lately will do
+        visit, alt_age = local.visit_steps(alt, rows, ctx), local.age(alt, rows, ctx)
+        ongoing = visit < MIN_LOCAL and alt_age is not None and alt_age <= REVISIT_STEPS     # a measuring run
+        gap = max(d.predicted_goodput[d.gamma] / max(d.predicted_goodput[alt], 1e-12) - 1, self.min_gain)
+        due = MIN_LOCAL * gap / (self.remeasure_share if alt == 0 else self.respeculate_share)
+        if ongoing or age > due:
+            return Decision(alt, f"rows={rows}: re-measuring gamma={alt} at this shape (last run here {age} steps ago, "
+                                 f"predicted {gap:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
+                                 f"then: {d.reason}",
+                            d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
+        return d
 
     def _record(self, d: Decision) -> int:
         self.decisions.append(d)
