@@ -262,7 +262,7 @@ def test_gamma_0_priced_in_a_slow_spell_is_re_measured_within_its_budget():
         assert steps <= due + policy.recheck_steps + 1, "gamma 0 never re-measured"
     assert steps >= due - 1                    # not before its budget allows
     for i in range(MIN_LOCAL):                 # the re-measure runs its MIN_LOCAL steps
-        assert policy.decisions[-1].measuring and "re-measuring gamma=0" in policy.decisions[-1].reason
+        assert policy.decisions[-1].measuring and "re-measuring plain decoding" in policy.decisions[-1].reason
         _timed_steps(local, measured, 0, 10.0, 1)
         g = policy.choose(ctx)
     assert g == 0 and not policy.decisions[-1].measuring          # plain decoding, as measured now
@@ -284,20 +284,13 @@ def test_revisited_bucket_keeps_only_a_few_old_steps():
     assert local.age(0, 1, 100) == 0 and local.age(1, 1, 100) == MIN_LOCAL
 
 
-def test_a_speculative_runner_up_is_re_measured_more_rarely_than_gamma_0():
+def test_at_gamma_0_no_speculative_gamma_is_run_to_measure_it():
+    """Plain decoding is what cannot fall below gamma 0: however old the speculative prices, the
+    policy at gamma 0 runs no speculative step to check them."""
     local, measured, policy = _spell_setup()
-    _timed_steps(local, measured, 0, 10.0, 16)               # gamma 0 re-measured: now the choice
+    _timed_steps(local, measured, 0, 10.0, 16)                # gamma 0 re-measured: now the choice
     ctx = StepContext(rows=1, context_len=100, stats=SpecStats())
-    assert policy.choose(ctx) == 0 and not policy.decisions[-1].measuring
-    d = policy.decisions[-1]
-    alt = max(range(1, GMAX + 1), key=lambda g: d.predicted_goodput[g])
-    gap = d.predicted_goodput[0] / d.predicted_goodput[alt] - 1
-    due = MIN_LOCAL * max(gap, policy.min_gain) / policy.respeculate_share
-    assert due > 4 * MIN_LOCAL * max(gap, policy.min_gain) / policy.remeasure_share
-    steps = 0
-    while policy.choose(ctx) == 0:
+    for _ in range(3000):
+        assert policy.choose(ctx) == 0
         _timed_steps(local, measured, 0, 10.0, 1)
-        steps += 1
-        assert steps <= due + policy.recheck_steps + 1
-    assert steps >= due - 16 - 1                 # the 16 gamma-0 steps above count towards the age
-    assert policy.decisions[-1].measuring and "re-measuring gamma=" in policy.decisions[-1].reason
+    assert local.age(1, 1, 100) > 3000 and not any(d.measuring for d in policy.decisions)

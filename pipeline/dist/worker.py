@@ -93,8 +93,8 @@ def output_result(out: Any) -> dict:
 
 def gamma_in_use(engine_stats: Any, gamma: int | str, policy: Any = None) -> dict:
     """The stats row's gamma fields. A fixed gamma is the config's. For 'auto': the gamma the
-    policy chose most often once calibrated (calibration steps, and steps measuring the runner-up,
-    are counted, not chosen), its reasoning, and the candidates with their
+    policy chose most often once calibrated (calibration steps, and steps measuring plain
+    decoding, are counted, not chosen), its reasoning, and the candidates with their
     predicted goodput from that decision."""
     if gamma != "auto":
         return {"gamma": int(gamma), "gamma_reason": f"fixed by config (spec.gamma={gamma})",
@@ -115,7 +115,7 @@ def gamma_in_use(engine_stats: Any, gamma: int | str, policy: Any = None) -> dic
         notes.append(f"{calibrating} calibration steps at gamma_max")
     measuring = sum(1 for d in decisions if getattr(d, "measuring", False))
     if measuring:
-        notes.append(f"{measuring} steps measuring the runner-up (plain decoding at new shapes, old measurements again)")
+        notes.append(f"{measuring} steps measuring plain decoding (at new shapes, or again where its price had aged)")
     if len(used) > 1:
         notes.append("steps per gamma " + ", ".join(f"{g}:{n}" for g, n in sorted(used.items())))
     return {"gamma": chosen, "gamma_reason": "; ".join(notes), "gamma_candidates": rep.candidates,

@@ -38,22 +38,23 @@ would be priced by a speculative gamma's correction, and on a CPU the two differ
 percent; the price is at most MIN_LOCAL plain steps per bucket, once per engine.
 
 Measurements age. On a shared machine a slow spell lasts seconds, and a gamma the policy stopped
-running keeps the price it had then (pipeline.spec.cost says what that did). So the runner-up
-is run again for MIN_LOCAL steps once the engine has run more than MIN_LOCAL * gap / share
-steps (any shape) since it last ran at this (rows, context) shape, gap being how far behind it
-is predicted (at least `min_gain`). Re-measuring thus costs about `share` of the steps' worth
-per shape the engine moves between (at batch 1, rows of different prompt lengths alternate
-between two or three context buckets), whatever the gap, and a runner-up mispriced by a spell
-is run again within MIN_LOCAL * gap / share steps. Age counts the engine's steps, not steps at
-the shape: a shape visited a few steps per row would otherwise stay mispriced for most of a shard.
-- Speculating, the runner-up is gamma 0, share `remeasure_share` (0.5%: ~800 * gap steps,
-  about a second at batch 1 here for a 30% gap). A gamma 0 priced high by a spell makes the
-  policy speculate where plain decoding is faster, below gamma 0, the one outcome to avoid.
-- At gamma 0, the runner-up is the best speculative gamma if any speculative gamma ever ran at
-  this shape (their predictions are close to each other, so the most recent of them counts),
-  share `respeculate_share` (0.1%): a speculative gamma priced high by a spell only delays a
-  gain, and re-measuring it costs plain decoding's throughput, so it waits five times longer.
-Those steps are marked `measuring`, as are the plain-decoding ones above.
+running keeps the price it had then (pipeline.spec.cost says what that did). So while the
+policy speculates, plain decoding is run again at a (rows, context) shape for MIN_LOCAL steps
+once the engine has run more than MIN_LOCAL * gap / `remeasure_share` steps (any shape) since
+it last ran there, gap being how far behind gamma 0 is predicted (at least `min_gain`).
+Re-measuring thus costs about `remeasure_share` (0.5%) of the steps' worth per shape the engine
+moves between (at batch 1, rows of different prompt lengths alternate between two or three
+context buckets), whatever the gap, and a gamma 0 mispriced by a spell is run again within
+~800 * gap steps (about a second at batch 1 here for a 30% gap). Age counts the engine's steps,
+not steps at the shape: a shape visited a few steps per row would otherwise stay mispriced for
+most of a shard. These steps are marked `measuring`, as are the plain-decoding ones above.
+
+The other way round is not done: at gamma 0, a speculative gamma priced high by a spell is not
+run again to check (a new profile re-prices it). Tried, it cost more than it could win here:
+every shape a batch-48 tail passes through had a speculative price thousands of steps old, and
+re-measuring each made auto run 10-18% below gamma 0 in 2 of 7 batch-48 calls per task of the
+benchmark, where gamma 0 is best. A gamma 0 left mispriced costs throughput below gamma 0; a
+speculative gamma left mispriced only delays a gain.
 
 Speculation must predict more than `min_gain` (default 5%) over plain decoding to be chosen:
 predictions carry a few percent of error, and where speculation's predicted gain is within it,
@@ -142,7 +143,6 @@ class GoodputPolicy:
     recheck_steps: int = 8
     min_gain: float = 0.05
     remeasure_share: float = 0.005      # what re-measuring gamma 0 while speculating may cost (share of steps x gap)
-    respeculate_share: float = 0.001    # ... and a speculative runner-up while at gamma 0
     decisions: list[Decision] = field(default_factory=list)
     _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
 
@@ -178,32 +178,23 @@ class GoodputPolicy:
         return self._record(d)
 
     def _measure_runner_up(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
-        """Run the runner-up instead of `d` where its measurements at this shape need it (module
-        docstring): plain decoding before speculating here at all, and the runner-up again once
-        its steps here are older than its budget (`remeasure_share`, `respeculate_share`) allows."""
-        if d.gamma > 0:
-            alt = 0
-        elif len(d.candidates) > 1:
-            alt = max(d.candidates[1:], key=lambda g: d.predicted_goodput[g])
-        else:
+        """Where `d` speculates, run plain decoding instead while its measurements at this shape
+        need it (module docstring): before speculating here at all, and again once its steps
+        here are older than `remeasure_share` allows at its predicted gap."""
+        if d.gamma == 0:
             return d
-        n = local.count(alt, rows, ctx)
-        if alt == 0 and n < MIN_LOCAL:
+        n = local.count(0, rows, ctx)
+        if n < MIN_LOCAL:
             return Decision(0, f"rows={rows}: measuring plain decoding at this shape first ({n}/{MIN_LOCAL} steps) "
                                f"before speculating; then: {d.reason}",
                             d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
-        ages = [a for g in ([alt] if alt == 0 else d.candidates[1:]) if (a := local.age(g, rows, ctx)) is not None]
-        if not ages:
-            return d                    # no speculative gamma ever ran here: nothing measured to age
-        age = min(ages)                 # the speculative gammas as one: any of them run here lately will do
-        visit, alt_age = local.visit_steps(alt, rows, ctx), local.age(alt, rows, ctx)
-        ongoing = visit < MIN_LOCAL and alt_age is not None and alt_age <= REVISIT_STEPS     # a measuring run
-        gap = max(d.predicted_goodput[d.gamma] / max(d.predicted_goodput[alt], 1e-12) - 1, self.min_gain)
-        due = MIN_LOCAL * gap / (self.remeasure_share if alt == 0 else self.respeculate_share)
-        if ongoing or age > due:
-            return Decision(alt, f"rows={rows}: re-measuring gamma={alt} at this shape (last run here {age} steps ago, "
-                                 f"predicted {gap:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
-                                 f"then: {d.reason}",
+        age, visit = local.age(0, rows, ctx), local.visit_steps(0, rows, ctx)
+        ongoing = visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
+        gap = max(d.predicted_goodput[d.gamma] / max(d.predicted_goodput[0], 1e-12) - 1, self.min_gain)
+        if ongoing or age > MIN_LOCAL * gap / self.remeasure_share:
+            return Decision(0, f"rows={rows}: re-measuring plain decoding at this shape (last run here {age} steps "
+                               f"ago, predicted {gap:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
+                               f"then: {d.reason}",
                             d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
         return d
 
