@@ -15,7 +15,9 @@ one run. Two ratios are given: of the medians, and paired (auto's time in each r
 against the best fixed gamma's in the same repetition: median, and range over repetitions),
 which cancels the repetition-to-repetition swings of a shared machine. A control runs gamma 0
 twice in each repetition, next to auto: its paired ratio to gamma 0 is what two identical
-systems measure apart here, the noise floor against which auto / gamma 0 is read. Prints a
+systems measure apart here, the noise floor against which auto / gamma 0 is read; it runs next
+to auto in the order, so auto / control compares two neighbours (gamma 0 itself runs first or
+last in its cell). Prints a
 Markdown table and writes JSON to --out.
 """
 from __future__ import annotations
@@ -124,22 +126,23 @@ def main() -> None:
     print(f"model {args.model} on {engine.device} ({torch.get_num_threads()} threads)\n")
     print("| task | batch | " + " | ".join(f"gamma={g}" for g in fixed)
           + " | auto | auto / best fixed | auto / gamma 0 | paired: auto / best | paired: auto / gamma 0"
-          + " | control, paired: gamma 0 again / gamma 0 | auto picked (steps) |")
-    print("|---|---|" + "---|" * (len(fixed) + 7))
+          + " | control, paired: gamma 0 again / gamma 0 | paired: auto / control | auto picked (steps) |")
+    print("|---|---|" + "---|" * (len(fixed) + 8))
     for (task, b), cell in cells.items():
         runs = cell["times"]
         tps = {g: statistics.median(v) for g, v in runs.items()}
         best_g = max(fixed, key=lambda g: tps[g])
-        paired_best, paired_0, control = (paired(runs[a], runs[f]) for a, f in
-                                          (("auto", best_g), ("auto", 0), (CONTROL, 0)))
+        paired_best, paired_0, control, auto_control = (paired(runs[a], runs[f]) for a, f in (
+            ("auto", best_g), ("auto", 0), (CONTROL, 0), ("auto", CONTROL)))
         picked = ", ".join(f"{g}:{n}" for g, n in sorted(cell["picked"].items()))
         print(f"| {task} | {b} | " + " | ".join(f"{tps[g]:.0f}" for g in fixed)
               + f" | {tps['auto']:.0f} | {tps['auto'] / tps[best_g]:.2f} | {tps['auto'] / tps[0]:.2f}"
-              + f" | {show(paired_best)} | {show(paired_0)} | {show(control)} | {picked} |")
+              + f" | {show(paired_best)} | {show(paired_0)} | {show(control)} | {show(auto_control)} | {picked} |")
         report["cells"].append({"task": task, "batch": b, "tokens_per_s": {str(g): v for g, v in tps.items()},
                                 "auto_over_best_fixed": tps["auto"] / tps[best_g], "auto_over_gamma0": tps["auto"] / tps[0],
                                 "best_fixed_gamma": best_g, "paired_auto_over_best_fixed": paired_best,
                                 "paired_auto_over_gamma0": paired_0, "paired_control_over_gamma0": control,
+                                "paired_auto_over_control": auto_control,
                                 "auto_steps_per_gamma": dict(cell["picked"]), "auto_reason": cell.get("reason", ""),
                                 "prior_acceptance_by_depth": cell["prior"].acceptance_by_depth(),
                                 "prior_row_steps_drafted": cell["prior"].reached[0] if cell["prior"].reached else 0,

@@ -92,6 +92,7 @@ def test_gamma_policy_benchmark_runs_every_system_with_its_control(tmp_path):
     assert set(runs) == {"0", "1", "2", "gamma=0 again", "auto"} and all(len(v) == 2 for v in runs.values())
     ratios = sorted(a / b for a, b in zip(runs["gamma=0 again"], runs["0"]))
     assert cell["paired_control_over_gamma0"] == {"median": sum(ratios) / 2, "min": ratios[0], "max": ratios[1]}
+    assert cell["paired_auto_over_control"]["min"] == min(a / c for a, c in zip(runs["auto"], runs["gamma=0 again"]))
     best = max(("0", "1", "2"), key=lambda g: cell["tokens_per_s"][g])
     assert cell["best_fixed_gamma"] == int(best)
     assert sum(cell["auto_steps_per_gamma"].values()) == sum(c["steps"] for c in cell["auto_calls"])
