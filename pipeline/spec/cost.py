@@ -37,9 +37,9 @@ priced at the spell, and the policy compares it with gammas measured since: one 
 at gamma 0 made `auto` speculate for the next four calls on summarize at batch 1, 14-20% below
 gamma 0 (a throwaway check that slowed the target's forward). So each bucket counts the engine's
 steps since it last ran (`age`), and while speculating the policy re-measures plain decoding
-once its price has aged (pipeline.spec.policy). When a bucket runs again after more than REVISIT_STEPS steps elsewhere,
-only its newest MIN_LOCAL - 1 old steps are kept: after MIN_LOCAL new steps the new ones are
-the majority, and its median is what the shape costs now.
+once its price has aged (pipeline.spec.policy). When a bucket runs again after more than
+REVISIT_STEPS steps elsewhere, only its newest MIN_LOCAL - 1 old steps are kept: after
+MIN_LOCAL new steps the new ones are the majority, and its median is what the shape costs now.
 
 Fits minimise relative error (times span orders of magnitude) under non-negativity. The
 start-up profile times bare forwards and covers every shape; the steps the engine really ran
