@@ -226,9 +226,10 @@ class _Run:
         if n == 0:
             return
         t_choose = time.perf_counter()
-        lengths = s.lengths[:n]
-        gamma = min(self.policy.choose(StepContext(rows=n, context_len=float(lengths.float().mean()),
-                                                   stats=self.stats, rows_apart=self._rows_apart(n))), self.gamma_cap)
+        lengths = s.lengths[:n]                     # unchanged until s.advance below
+        ctx = float(lengths.float().mean())
+        gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
+                                                   rows_apart=self._rows_apart(n))), self.gamma_cap)
         t0 = time.perf_counter()
         keys = s.keys[:n]
         if gamma > 0:
@@ -246,7 +247,6 @@ class _Run:
         num_acc, emitted = self._accept(drafts, draft_probs, logits, keys, positions)
         acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
         t2 = time.perf_counter()
-        ctx = float(lengths.float().mean())
         max_ctx = int(lengths.max())
         if s.drafter is not None:
             s.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
