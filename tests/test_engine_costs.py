@@ -109,6 +109,9 @@ def test_engine_measures_each_steps_overhead_and_the_model_carries_it(tmp_path):
         model.compute_s(s.rows, s.gamma, s.context_len) + model.overhead_s(s.rows))
     assert model.step_s(s.rows, s.gamma, s.context_len) == pytest.approx(
         model.modelled_step_s(s.rows, s.gamma, s.context_len) * model.local_factor(s.rows, s.gamma, s.context_len))
+    for st in steps:                                     # the policy's all-gammas form prices the same
+        assert model.step_s_by_gamma(st.rows, 2, st.context_len) == pytest.approx(
+            [model.step_s(st.rows, g, st.context_len) for g in range(3)])
 
 
 def test_local_correction_is_kept_per_context_and_outlives_the_fit_window():

@@ -107,3 +107,6 @@ def test_stats_per_depth_acceptance_and_merge():
     assert m.reached == [6, 3, 2] and m.accepted == [5, 2, 1]
     assert m.acceptance_by_depth()[0] == 5 / 6
     assert m.mean_acceptance_length() == (6 + 4 + 2 + 2) / 6
+    c = SpecStats()                                      # the engine passes a list of ints
+    c.observe_acceptance(3, [0, 1, 3, 2])
+    assert (c.reached, c.accepted, c.row_steps, c.emitted_tokens) == (a.reached, a.accepted, a.row_steps, a.emitted_tokens)

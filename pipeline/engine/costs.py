@@ -6,10 +6,10 @@ and the per-shape local correction (pipeline.spec.cost.LocalCorrection), which p
 
 Stale means re-profile before the next shard, for one of two measured reasons:
 - drift: over the last `window` steps at shapes already measured, the step time is off what the
-  last steps at the same shape took by more than `drift` x (median ratio), e.g. a co-tenant
-  appeared or clocks changed. Shapes not yet measured are not evidence of drift (the smooth
-  model is off by tens of percent at some shapes; the local correction fixes that), and a
-  change the per-shape correction has already followed is not either;
+  last steps at the same shape took by more than `drift` x (median ratio, checked every quarter
+  window), e.g. a co-tenant appeared or clocks changed. Shapes not yet measured are not
+  evidence of drift (the smooth model is off by tens of percent at some shapes; the local
+  correction fixes that), and a change the per-shape correction has already followed is not either;
 - utilisation: the accelerator's utilisation during a shard (NVML on CUDA, the process's CPU
   share on CPU) moved by more than `util_jump` from what it was when the profile was taken.
   A jump up at the same batch means the device has become compute-bound (or shared), which
@@ -35,6 +35,7 @@ class CostTracker:
         self.refit_share = refit_share   # refits may take at most this share of decoding time
         self.fit_steps = fit_steps       # fits use the most recent real steps (a fit over 2000 takes ~80 ms)
         self.ratios: deque[float] = deque(maxlen=window)
+        self._unchecked = 0               # ratios added since the last drift check
         self.baseline_util: float | None = None
         self.stale_reason: str | None = None
         self.profiles_taken = 0
@@ -79,20 +80,24 @@ class CostTracker:
         but do not make the auto policy pay for a refit)."""
         self.steps.append(step)
         model = self._model
+        key = self.local.key(step.gamma, step.rows, step.context_len)
         if model is not None:
-            factor = self.local.factors.get(self.local.key(step.gamma, step.rows, step.context_len))
+            factor = self.local.factors.get(key)
             if factor is not None:
                 predicted = model.modelled_step_s(step.rows, step.gamma, step.context_len) * factor
                 if predicted > 0:
                     self.ratios.append(step_seconds(step) / predicted)
                     self._check_drift()
-        self.local.add(step, model)
+        self.local.add(step, model, key)
         if refine:
             self._new_steps += 1
             self._new_work_s += step.verify_s + step.draft_s
 
     def _check_drift(self) -> None:
-        if len(self.ratios) == self.ratios.maxlen and self.stale_reason is None:
+        """Every quarter window (a median per step would cost more than the check is worth)."""
+        self._unchecked += 1
+        if self._unchecked >= self.ratios.maxlen // 4 and len(self.ratios) == self.ratios.maxlen and self.stale_reason is None:
+            self._unchecked = 0
             ratio = statistics.median(self.ratios)
             if not 1 / self.drift <= ratio <= self.drift:
                 self.stale_reason = f"measured steps take {ratio:.2f}x what was measured at their shapes"

@@ -260,7 +260,7 @@ class _Run:
                 row.drafted_steps += 1
                 row.first_hits += acc_list[i] > 0
             row.emit(emitted_list[i][:acc_list[i] + 1], self.params, self.eos, self.e.tokenizer)
-        self.stats.observe_acceptance(gamma, num_acc)
+        self.stats.observe_acceptance(gamma, acc_list)
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
         step = StepRecord(gamma, n, gamma + 1, ctx, max_ctx, t2 - t1, t1 - t0, sum(acc_list) + n, overhead)

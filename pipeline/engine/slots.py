@@ -35,8 +35,8 @@ class Slots:
     def advance(self, n: int, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None:
         """Rows 0..n-1 keep their accepted drafts: lengths grow by accepted + 1 (the last input
         token plus the accepted drafts); the recovered or bonus token becomes the newest token."""
-        self.lengths[:n] += num_accepted + 1
-        self.last_token[:n] = emitted[torch.arange(n, device=emitted.device), num_accepted]
+        self.lengths[:n].add_(num_accepted).add_(1)
+        self.last_token[:n] = emitted.gather(1, num_accepted[:, None])[:, 0]
 
     def release_finished(self) -> None:
         done = [i for i in range(self.n) if self.rows[i] is not None and self.rows[i].finished]

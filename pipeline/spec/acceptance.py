@@ -26,6 +26,8 @@ def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor):
     Example: drafts [[5, 7]], argmax [[5, 9, 4]] -> num_accepted [1], emitted row [5, 9, 4] (emit 5, 9).
     """
     target = target_logits.argmax(dim=-1)                                # [n, gamma + 1]
+    if drafts.shape[1] == 0:                 # plain decoding: nothing to compare (saves a few ops per step)
+        return torch.zeros(drafts.shape[0], dtype=torch.long, device=target.device), target
     num_accepted = accepted_prefix(drafts == target[:, :-1])
     return num_accepted, target
 

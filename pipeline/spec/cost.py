@@ -127,6 +127,11 @@ class CostModel:
     def local_factor(self, rows: int, gamma: int, ctx: float) -> float:
         return self.local.factor(gamma, rows, ctx) if self.local is not None else 1.0
 
+    def step_s_by_gamma(self, rows: int, gamma_max: int, ctx: float) -> list[float]:
+        """`step_s` for gamma 0..gamma_max (the shape's buckets worked out once)."""
+        factors = self.local.factors_by_gamma(rows, ctx, gamma_max) if self.local is not None else None
+        return [self.modelled_step_s(rows, g, ctx) * (factors[g] if factors else 1.0) for g in range(gamma_max + 1)]
+
 
 def rows_bucket(rows: int) -> int:
     """Half-octave buckets: 1 | 2 | 3 | 4 | 5-6 | 7-9 | 10-13 | 14-19 | 20-27 | 28-38 | 39-54 ..."""
@@ -178,9 +183,10 @@ class LocalCorrection:
         """Steps at this bucket since it was last revisited after REVISIT_STEPS elsewhere."""
         return self.visit.get(self.key(gamma, rows, ctx), 0)
 
-    def add(self, step, model: CostModel | None = None) -> None:
-        """Record a step; with `model` (the smooth model this correction belongs to) price it now."""
-        key = self.key(step.gamma, step.rows, step.context_len)
+    def add(self, step, model: CostModel | None = None, key: tuple | None = None) -> None:
+        """Record a step; with `model` (the smooth model this correction belongs to) price it now.
+        `key`: the step's `key(...)`, where the caller has it already."""
+        key = key or self.key(step.gamma, step.rows, step.context_len)
         sample = (step.rows, step.context_len, step_seconds(step))
         kept = self.samples.setdefault(key, deque(maxlen=self.keep))
         if key in self.last and self.clock - self.last[key] > REVISIT_STEPS:
@@ -214,12 +220,20 @@ class LocalCorrection:
             self.factors[key] = statistics.median(ratios)
 
     def factor(self, gamma: int, rows: int, ctx: float) -> float:
-        key = self.key(gamma, rows, ctx)
+        return self._factor_at(gamma, rows_bucket(rows), context_bucket(ctx))
+
+    def factors_by_gamma(self, rows: int, ctx: float, gamma_max: int) -> list[float]:
+        """`factor` for gamma 0..gamma_max at one shape."""
+        rb, cb = rows_bucket(rows), context_bucket(ctx)
+        return [self._factor_at(g, rb, cb) for g in range(gamma_max + 1)]
+
+    def _factor_at(self, gamma: int, rb: int, cb: int) -> float:
+        key = (gamma, rb, cb)
         if key not in self._source:
-            measured = self._by_rows.get(key[1], [])
-            g, c = min(measured, key=lambda m: (m[0] != gamma, abs(m[0] - gamma), abs(m[1] - key[2]), -m[0]),
+            measured = self._by_rows.get(rb, [])
+            g, c = min(measured, key=lambda m: (m[0] != gamma, abs(m[0] - gamma), abs(m[1] - cb), -m[0]),
                        default=(None, None))
-            self._source[key] = None if g is None else (g, key[1], c)
+            self._source[key] = None if g is None else (g, rb, c)
         source = self._source[key]
         return self.factors[source] if source is not None else 1.0
 

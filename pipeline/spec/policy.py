@@ -68,6 +68,7 @@ microseconds, a percent of a small model's step on a CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Callable, Protocol
 
 from pipeline.spec.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection
@@ -220,9 +221,9 @@ def batch_tokens(acceptance: list[float], rows: int, gamma: int, rows_apart=()) 
     """Expected tokens emitted by one step over `rows` rows: the task's E for the typical rows,
     each row apart with its own acceptance and capped at its budget (module docstring)."""
     total = (rows - len(rows_apart)) * expected_tokens(acceptance, gamma)
-    for left, drafted, hits in rows_apart:
+    for (left, drafted, hits), same in groupby(rows_apart):     # a large batch's tail repeats a few
         acc = row_acceptance(acceptance, drafted, hits) if drafted else acceptance
-        total += expected_tokens(acc, max(0, min(gamma, left - 1)))
+        total += expected_tokens(acc, max(0, min(gamma, left - 1))) * sum(1 for _ in same)
     return total
 
 
@@ -232,8 +233,8 @@ def choose_gamma(model: CostModel, acceptance: list[float], rows: int, ctx: floa
     except that a speculative gamma predicting at most `min_gain` over gamma 0 yields gamma 0.
     `rows_apart`: (tokens left, steps drafted, first-draft hits) of rows priced on their own."""
     candidates = list(range(gamma_max + 1))
-    goodput = [batch_tokens(acceptance, rows, g, rows_apart) / max(model.step_s(rows, g, ctx), 1e-9)
-               for g in candidates]
+    goodput = [batch_tokens(acceptance, rows, g, rows_apart) / max(step_s, 1e-9)
+               for g, step_s in zip(candidates, model.step_s_by_gamma(rows, gamma_max, ctx))]
     best = max(candidates, key=lambda g: (goodput[g], -g))
     gain = goodput[best] / goodput[0] if goodput[0] > 0 else float("inf")
     reason = (f"rows={rows}: gamma={best} predicts {goodput[best]:.0f} tok/s, {gain:.2f}x gamma 0 "

@@ -42,20 +42,25 @@ class SpecStats:
     row_steps: int = 0
     emitted_tokens: int = 0
 
-    def observe_acceptance(self, gamma: int, num_accepted: torch.Tensor) -> None:
-        """num_accepted: [n] accepted drafts per row in one verify step at `gamma`."""
+    def observe_acceptance(self, gamma: int, num_accepted) -> None:
+        """num_accepted: accepted drafts per row in one verify step at `gamma` (ints, or a [n] tensor)."""
+        if isinstance(num_accepted, torch.Tensor):
+            num_accepted = num_accepted.tolist()
         if gamma > len(self.reached):
             grow = gamma - len(self.reached)
             self.reached += [0] * grow
             self.accepted += [0] * grow
-        counts = torch.bincount(num_accepted.cpu(), minlength=gamma + 1).tolist()   # rows by accepted
-        at_least = 0
-        for k in range(gamma, 0, -1):          # rows that accepted >= k drafts
-            at_least += counts[k]
-            self.accepted[k - 1] += at_least
-            self.reached[k - 1] += at_least + counts[k - 1]
-        self.row_steps += int(num_accepted.numel())
-        self.emitted_tokens += int(num_accepted.sum()) + int(num_accepted.numel())
+        if gamma:
+            counts = [0] * (gamma + 1)                 # rows by accepted
+            for a in num_accepted:
+                counts[a] += 1
+            at_least = 0
+            for k in range(gamma, 0, -1):          # rows that accepted >= k drafts
+                at_least += counts[k]
+                self.accepted[k - 1] += at_least
+                self.reached[k - 1] += at_least + counts[k - 1]
+        self.row_steps += len(num_accepted)
+        self.emitted_tokens += sum(num_accepted) + len(num_accepted)
 
     def observe_step(self, record: StepRecord) -> None:
         self.steps.append(record)
