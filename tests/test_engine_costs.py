@@ -114,6 +114,25 @@ def test_engine_measures_each_steps_overhead_and_the_model_carries_it(tmp_path):
             [model.step_s(st.rows, g, st.context_len) for g in range(3)])
 
 
+def test_profile_times_the_engines_own_drafting(tmp_path, monkeypatch):
+    """The profile is all the model knows of drafting until the engine speculates: it must time
+    the Drafter the engine runs (every head's fill, then each depth), not a sketch of it."""
+    from pipeline.engine.drafter import Drafter
+    from pipeline.engine.profile import profile_costs
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=2, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4, gamma_max=3)
+    seen, original = [], Drafter.propose
+
+    def propose(self, n, lengths, gamma, pick):
+        seen.append((n, gamma))
+        return original(self, n, lengths, gamma, pick)
+
+    monkeypatch.setattr(Drafter, "propose", propose)
+    records = profile_costs(engine, 4, 3)
+    assert {(r.rows, r.gamma) for r in records if r.gamma} <= set(seen)
+    assert all(r.draft_s > 0 for r in records if r.gamma) and all(r.draft_s == 0 for r in records if not r.gamma)
+
+
 def test_local_correction_is_kept_per_context_and_outlives_the_fit_window():
     truth = CostModel((1e-3, 1e-5, 0.0, 1e-8), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, multi_token_s=2e-4)
     profile = [StepRecord(g, r, g + 1, c, c, truth.verify_s(r, g + 1, c), truth.draft_s(r, g), 0)

@@ -76,6 +76,17 @@ def test_fit_recovers_a_hinge_cost():
             assert fit.step_s(rows, gamma, 300) == pytest.approx(truth.step_s(rows, gamma, 300), rel=0.08)
 
 
+def test_fit_recovers_a_draft_cost_that_grows_with_context():
+    truth = replace(model(a=5e-3, b=2e-6, c=1e-9, draft=(1e-3, 2e-6, 5e-4, 3e-6)), draft_ctx_s=2e-8)
+    steps = [StepRecord(g, r, g + 1, ctx, ctx, truth.verify_s(r, g + 1, ctx), truth.draft_s(r, g, ctx), 0)
+             for r in (1, 4, 16, 48) for g in range(GMAX + 1) for ctx in (64, 256)]
+    fit = fit_cost_model(steps)
+    for rows, gamma, ctx in ((1, 1, 100), (9, 1, 150), (48, 5, 400)):
+        assert fit.draft_s(rows, gamma, ctx) == pytest.approx(truth.draft_s(rows, gamma, ctx), rel=0.05)
+    grows = fit.draft_s(9, 1, 400) - fit.draft_s(9, 1, 64)          # the context term itself
+    assert grows == pytest.approx(truth.draft_s(9, 1, 400) - truth.draft_s(9, 1, 64), rel=0.1) and grows > 0
+
+
 def test_fit_needs_several_shapes():
     assert fit_cost_model([StepRecord(0, 1, 1, 10, 10, 1e-3, 0, 1)]) is None
 

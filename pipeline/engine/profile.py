@@ -1,11 +1,19 @@
-"""A short cost profile of the accelerator: timed verify and draft forwards at several batch
-shapes, recorded as StepRecords so the cost model fits them like real steps."""
+"""A short cost profile of the accelerator: timed verify forwards and drafts at several batch
+shapes, recorded as StepRecords so the cost model fits them like real steps.
+
+A draft is timed through the engine's own Drafter (every head's fill over the gamma + 1 tokens a
+step accepts at most, then gamma depths with their logits), not a sketch of it: the profile is
+all the cost model knows of drafting until the engine speculates, and after a long run of plain
+decoding the fit window holds no drafted step to correct it. (A sketch that filled one head and
+skipped the first depth's logits priced a drafting step at a tail 2-4x below what it took on the
+demo model, so the policy speculated there and lost; a throwaway trace of json at batch 48.)"""
 from __future__ import annotations
 
 import time
 
 import torch
 
+from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.model.cache import Batch, KVCache
 from pipeline.spec.stats import StepRecord
 
@@ -20,13 +28,13 @@ def _rows_grid(max_rows: int) -> list[int]:
 
 @torch.inference_mode()
 def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128, reps: int = 2) -> list[StepRecord]:
-    """Time target forwards of rows x (gamma + 1) tokens, and one-token head steps, at a few
+    """Time target forwards of rows x (gamma + 1) tokens, and drafts of gamma tokens, at a few
     batch sizes and two context lengths. Takes well under a second for small models on a CPU."""
     cfg, dev, dt = engine.config, engine.device, engine.dtype
     contexts = sorted({max(1, context_len // 2), context_len * 2})
     capacity = max(contexts) + gamma_max + 2
     cache = KVCache(cfg.num_layers, max_rows, capacity, cfg.num_kv_heads, cfg.head_dim, dt, dev)
-    head_cache = (KVCache(1, max_rows, capacity, cfg.num_kv_heads, cfg.head_dim, dt, dev) if engine.heads else None)
+    drafter = (Drafter(engine.heads, max_rows, capacity, cfg.hidden_size, dt, dev) if engine.heads else None)
     gen = torch.Generator(device="cpu").manual_seed(0)
     records = []
 
@@ -54,15 +62,14 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
 
                 v = timed(verify)
                 d = 0.0
-                if gamma and engine.heads:
-                    head = engine.heads[0]
-                    hidden = torch.zeros(rows, q, cfg.hidden_size, dtype=dt, device=dev)
-                    one = positions[:, :1]
+                if gamma and drafter is not None:
+                    fill = PendingFill(torch.arange(rows, device=dev), (positions[:, 0] - q).clamp(min=0),
+                                       torch.zeros(rows, q, cfg.hidden_size, dtype=dt, device=dev), tokens,
+                                       torch.full((rows,), q, device=dev))
 
                     def draft():
-                        head(hidden, tokens, Batch.make(positions), head_cache, 0)      # the fill
-                        for _ in range(gamma - 1):
-                            head.logits(head(hidden[:, :1], tokens[:, :1], Batch.make(one), head_cache, 0)).argmax(-1)
+                        drafter.add_pending(fill)
+                        drafter.propose(rows, positions[:, 0], gamma, lambda logits, _: (logits.argmax(-1), None))
 
                     d = timed(draft)
                 records.append(StepRecord(gamma, rows, q, float(ctx), ctx, v, d, 0))

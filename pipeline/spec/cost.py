@@ -8,11 +8,12 @@ once compute-bound; so it is fitted as a hinge in N = rows * q plus an attention
 
 m is the fixed extra cost of a multi-token verify over one-token decoding (other kernels,
 masks, a wider logits slice); measured on a CPU it is a large part of a small model's step.
-The knee is chosen by grid search over the measured N. draft_s(rows, gamma): the MTP fill over
-the tokens accepted last step (about rows * (gamma + 1) of them) plus gamma - 1 one-token head
-steps:
+The knee is chosen by grid search over the measured N. draft_s(rows, gamma, ctx): every head's
+fill over the tokens accepted last step (about rows * (gamma + 1) of them) plus gamma - 1
+one-token head steps, each attending to the context like the target (k):
 
-    draft_s = [gamma > 0] * (d + e * rows * (gamma + 1)) + max(gamma - 1, 0) * (f + g * rows)
+    draft_s = [gamma > 0] * (d + e * rows * (gamma + 1) + k * rows * (gamma + 1) * ctx)
+              + max(gamma - 1, 0) * (f + g * rows)
 
 A step also spends time outside both forwards: choosing gamma, emitting tokens, stop checks.
 It is measured on every real step (the profile has none) and fitted as o0 + o1 * rows; it is
@@ -95,6 +96,7 @@ class CostModel:
     draft_coef: tuple[float, float, float, float]      # d, e, f, g
     samples: int
     multi_token_s: float = 0.0                         # m
+    draft_ctx_s: float = 0.0                           # k
     overhead_coef: tuple[float, float] = (0.0, 0.0)    # o0, o1: per step, per row in the step
     local: "LocalCorrection | None" = field(default=None, compare=False)   # measured / modelled per shape
 
@@ -107,7 +109,7 @@ class CostModel:
         if gamma <= 0:
             return 0.0
         d, e, f, g = self.draft_coef
-        return d + e * rows * (gamma + 1) + (gamma - 1) * (f + g * rows)
+        return d + (e + self.draft_ctx_s * ctx) * rows * (gamma + 1) + (gamma - 1) * (f + g * rows)
 
     def overhead_s(self, rows: int) -> float:
         return self.overhead_coef[0] + self.overhead_coef[1] * rows
@@ -282,14 +284,16 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
     w = torch.tensor([w for _, w in records], **f64)
     _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2)
     drafted = [(s, wt) for s, wt in records if s.gamma > 0 and s.draft_s > 0]
-    dcoef = torch.zeros(4, **f64)
+    dcoef = torch.zeros(5, **f64)
     if drafted:
-        xd = torch.tensor([[1.0, s.rows * (s.gamma + 1), s.gamma - 1, (s.gamma - 1) * s.rows] for s, _ in drafted], **f64)
+        xd = torch.tensor([[1.0, s.rows * (s.gamma + 1), s.gamma - 1, (s.gamma - 1) * s.rows,
+                            s.rows * (s.gamma + 1) * s.context_len] for s, _ in drafted], **f64)
         yd = torch.tensor([s.draft_s for s, _ in drafted], **f64)
         wd = torch.tensor([wt for _, wt in drafted], **f64)
         dcoef = nnls(xd, yd, wd / yd.clamp(min=1e-6) ** 2)
     a, m, b, h, c = vcoef.tolist()
-    model = CostModel((a, b, h, c), knee, tuple(dcoef.tolist()), len(records), multi_token_s=m,
+    *dcoef, k = dcoef.tolist()
+    model = CostModel((a, b, h, c), knee, tuple(dcoef), len(records), multi_token_s=m, draft_ctx_s=k,
                       overhead_coef=_fit_overhead([s for s in steps if getattr(s, "overhead_s", 0.0) > 0]))
     real = [s for s in steps if s.verify_s > 0]
     model = rescale_to(model, real)
@@ -319,6 +323,8 @@ def rescale_to(model: CostModel, real) -> CostModel:
         return model
     v = statistics.median(s.verify_s / max(model.verify_s(s.rows, s.query_len, s.context_len), 1e-12) for s in real)
     drafted = [s for s in real if s.gamma > 0 and s.draft_s > 0]
-    d = statistics.median(s.draft_s / max(model.draft_s(s.rows, s.gamma), 1e-12) for s in drafted) if drafted else 1.0
+    d = statistics.median(s.draft_s / max(model.draft_s(s.rows, s.gamma, s.context_len), 1e-12)
+                          for s in drafted) if drafted else 1.0
     return replace(model, verify_coef=tuple(x * v for x in model.verify_coef),
-                   draft_coef=tuple(x * d for x in model.draft_coef), multi_token_s=model.multi_token_s * v)
+                   draft_coef=tuple(x * d for x in model.draft_coef), multi_token_s=model.multi_token_s * v,
+                   draft_ctx_s=model.draft_ctx_s * d)
