@@ -148,12 +148,14 @@ def test_policy_reuses_a_decision_only_while_rows_model_and_context_stay():
     prior = SpecStats()
     prior.reached, prior.accepted = [1000] * GMAX, [800] * GMAX
     current = {"model": ROOFLINE}
-    policy = GoodputPolicy(GMAX, lambda: current["model"], prior, recheck_steps=8)
-    for _ in range(20):
+    policy = GoodputPolicy(GMAX, lambda: current["model"], prior, recheck_steps=8, recheck_plain_steps=32)
+    for _ in range(40):
         policy.choose(StepContext(rows=300, context_len=100, stats=SpecStats()))
-    assert len({id(d) for d in policy.decisions}) == 3          # decided at steps 1, 9 and 17
-    g = policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats()))
-    assert len({id(d) for d in policy.decisions}) == 4          # fewer rows: decided afresh
+    assert policy.decisions[0].gamma == 0                       # compute-bound: plain decoding ...
+    assert len({id(d) for d in policy.decisions}) == 2          # ... decided at steps 1 and 33
+    for _ in range(20):
+        g = policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats()))
+    assert len({id(d) for d in policy.decisions}) == 5          # fewer rows: decided afresh, at 1, 9, 17
     assert g == choose_gamma(ROOFLINE, estimate_acceptance(prior.reached, prior.accepted, GMAX), 2, 100, GMAX).gamma
     assert g > policy.decisions[0].gamma
     current["model"] = model(b=1e-4, draft=(1e-4, 1e-6, 1e-4, 1e-6))       # a refit: compute-bound

@@ -61,9 +61,11 @@ predictions carry a few percent of error, and where speculation's predicted gain
 plain decoding is the choice that cannot lose to gamma 0. Among speculative gammas the argmax
 stands.
 
-A decision is reused for up to `recheck_steps` steps while the row count, the cost model, the
-context bucket and the rows priced apart stay the same: acceptance estimates move slowly, and deciding costs tens of
-microseconds, a percent of a small model's step on a CPU.
+A decision is reused for up to `recheck_steps` (8) steps while the row count, the cost model,
+the context bucket and the rows priced apart stay the same: acceptance estimates move slowly, and
+deciding costs tens of microseconds, a percent of a small model's step on a CPU. A gamma-0
+decision is reused for up to `recheck_plain_steps` (32): plain decoding drafts nothing, so no
+acceptance estimate moves while it runs, and the cost model's refits change the key.
 """
 from __future__ import annotations
 
@@ -142,6 +144,7 @@ class GoodputPolicy:
     prior: SpecStats = field(default_factory=SpecStats)   # earlier shards of this task
     calibration_rows: int = 256
     recheck_steps: int = 8
+    recheck_plain_steps: int = 32       # a gamma-0 decision: no drafts, so no acceptance moves meanwhile
     min_gain: float = 0.05
     remeasure_share: float = 0.005      # what re-measuring gamma 0 while speculating may cost (share of steps x gap)
     decisions: list[Decision] = field(default_factory=list)
@@ -153,7 +156,8 @@ class GoodputPolicy:
     def choose(self, ctx: StepContext) -> int:
         model = self.cost()
         key = (ctx.rows, id(model), int(ctx.context_len) // 64, ctx.rows_apart)
-        if self._cached is not None and self._cached[0] == key and self._cached[2] < self.recheck_steps:
+        if (self._cached is not None and self._cached[0] == key
+                and self._cached[2] < (self.recheck_steps if self._cached[1].gamma else self.recheck_plain_steps)):
             self._cached = (key, self._cached[1], self._cached[2] + 1)
             self.decisions.append(self._cached[1])
             return self._cached[1].gamma
