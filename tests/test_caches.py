@@ -113,3 +113,25 @@ def test_mtp_caches_hold_prompt_and_accepted_tokens(tmp_path):
             torch.testing.assert_close(drafter.cache.v[c, slot, :, c:length], ref.v[0, 0, :, c:], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(drafter.carry[c, slot], out[0, -1], rtol=1e-4, atol=1e-4)
             prev = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+
+
+@torch.no_grad()
+def test_plain_steps_leave_a_gap_the_heads_do_not_bridge(tmp_path):
+    """After gamma-0 steps no head has entries for their positions, and no head k > 1 takes a
+    carry across the gap: its first entry after it would need head k-1's output before it."""
+    path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    prompts = random_prompts([5, 9, 3], 128, seed=8)
+    rows = [Row(i, p, 40, RequestOutput()) for i, p in enumerate(prompts)]
+    run = _Run(engine, rows, SamplingParams(max_new_tokens=40, ignore_eos=True), FixedGamma(3))
+    for gamma in (3, 3, 0, 0, 0):
+        run.policy = FixedGamma(gamma)
+        run._admit()
+        run._step()
+    s, drafter = run.slots, run.slots.drafter
+    n = s.n
+    drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))   # fills the newest
+    for slot in range(n):
+        last = int(s.lengths[slot]) - 1                  # the last step's position: filled now
+        assert drafter.valid[0, slot, last] and not drafter.valid[1, slot, last]
+        assert not drafter.valid[:, slot, last - 2:last].any()       # the earlier plain steps: a gap

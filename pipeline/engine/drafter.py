@@ -45,6 +45,7 @@ class Drafter:
         self.valid = torch.zeros(k, batch_size, capacity, dtype=torch.bool, device=device)   # [K, B, T]
         self.carry = torch.zeros(k, batch_size, hidden_size, dtype=dtype, device=device)     # [K, B, H]
         self.carry_ok = torch.zeros(batch_size, dtype=torch.bool, device=device)            # [B]
+        self._carry_set = False       # False: carry_ok is all False (a run of gamma-0 steps skips resetting it)
         self.pending: list[PendingFill] = []
 
     # ---- slot management -------------------------------------------------------------------
@@ -68,9 +69,11 @@ class Drafter:
         self.pending.append(fill)
 
     def discard_pending(self) -> None:
-        """A gamma-0 step skips the heads entirely; what it leaves unfilled becomes a masked gap."""
-        for p in self.pending:
-            self.carry_ok[p.rows] = False
+        """A gamma-0 step skips the heads entirely; what it leaves unfilled becomes a masked gap.
+        Every active row has such a gap, so no row's carry is valid after it."""
+        if self._carry_set:
+            self.carry_ok.zero_()
+            self._carry_set = False
         self.pending = []
 
     # ---- drafting ----------------------------------------------------------------------------
@@ -128,4 +131,5 @@ class Drafter:
             if first is None:
                 first = out[idx, last]
         self.carry_ok[p.rows] = True
+        self._carry_set = True
         return first
