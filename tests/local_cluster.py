@@ -26,20 +26,49 @@ from pathlib import Path
 BIN = Path(sys.executable).parent          # the venv's bin: ray, python
 
 
-def free_port() -> int:
+_GIVEN: set[int] = set()        # ports handed out here: Ray binds them later, so the OS still says free
+
+
+def _bindable(port: int) -> bool:
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A port free now and not handed out before (a worker range included)."""
+    while True:
+        with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+
+
+def worker_ports(width: int = 40) -> range:
+    """`width` + 1 consecutive ports, free now and disjoint from every port handed out. (Picked
+    apart, a node's object-manager port once fell inside its own worker range and Ray refused
+    to start: "worker_ports is trying to use a port number ... used by other components".)"""
+    while True:
+        base = min(free_port(), 65000 - width)
+        ports = range(base, base + width + 1)
+        if all(p == base or (p not in _GIVEN and _bindable(p)) for p in ports):
+            _GIVEN.update(ports)
+            return ports
 
 
 def node_ports() -> list[str]:
-    """The per-node ports; worker processes get a 40-port range of their own."""
-    base = min(free_port(), 65000)
+    """The per-node ports; worker processes get a 40-port range of their own, chosen first."""
+    workers = worker_ports()
     return ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
             "--metrics-export-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
             "--dashboard-agent-listen-port", str(free_port()),
             "--dashboard-agent-grpc-port", str(free_port()),
-            "--min-worker-port", str(base), "--max-worker-port", str(base + 40)]
+            "--min-worker-port", str(workers[0]), "--max-worker-port", str(workers[-1])]
 
 
 _TOKEN = secrets.token_hex(32)
