@@ -1,9 +1,9 @@
 """The batched speculative decoder with continuous batching, usable without Ray.
 
-One iteration (`_step`): admit queued rows into free slots (one batched prefill), choose gamma,
-draft with the MTP heads, verify last token + drafts in one target forward for every active
-row, accept per row, emit. Each row advances by its own acceptance length; rejected drafts are
-rolled back by not advancing its length.
+One iteration (`_step`): admit queued rows into free slots (batched prefills of prompts of
+similar length, `prefill_groups`), choose gamma, draft with the MTP heads, verify last token +
+drafts in one target forward for every active row, accept per row, emit. Each row advances by
+its own acceptance length; rejected drafts are rolled back by not advancing its length.
 """
 from __future__ import annotations
 
@@ -29,6 +29,23 @@ from pipeline.spec.stats import PrefillRecord, SpecStats, StepRecord
 
 
 _KEEP_STEPS = 4096      # step records an engine keeps for the cost model and stats export
+PAD_SLACK = 1.25        # a prefill forward computes at most this many (padded) tokens per prompt token
+
+
+def prefill_groups(lengths: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """Indices of prompts to admit, grouped by length, one prefill forward per group: padding a
+    batch to its longest prompt computes tokens that are thrown away (the demo's summarize
+    prompts are 15-372 tokens: 77% of a 48-row batch would be padding). Ascending, a group grows
+    while rows x its longest prompt stays within `slack` x its real tokens.
+    Example: [5, 100, 6, 90] -> [[0, 2], [3, 1]]."""
+    groups, group, real = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if group and (len(group) + 1) * lengths[i] > slack * (real + lengths[i]):
+            groups.append(group)
+            group, real = [], 0
+        group.append(i)
+        real += lengths[i]
+    return groups + [group] if group else groups
 
 
 class Engine:
@@ -191,8 +208,9 @@ class _Run:
     def _admit(self) -> None:
         while self.queue and (free := self.slots.free_slots()):
             take = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
-            self._prefill(free[:len(take)], take)      # rows may finish at once: loop refills
-        self.slots.compact()
+            for group in prefill_groups([len(r.prompt_ids) for r in take]):
+                self._prefill([free[i] for i in group], [take[i] for i in group])
+        self.slots.compact()                           # rows may finish at once: the loop refills
 
     def _prefill(self, slot_ids: list[int], rows: list[Row]) -> None:
         t0 = time.perf_counter()
