@@ -135,3 +135,20 @@ def test_plain_steps_leave_a_gap_the_heads_do_not_bridge(tmp_path):
         last = int(s.lengths[slot]) - 1                  # the last step's position: filled now
         assert drafter.valid[0, slot, last] and not drafter.valid[1, slot, last]
         assert not drafter.valid[:, slot, last - 2:last].any()       # the earlier plain steps: a gap
+
+
+def test_a_call_reusing_the_last_calls_caches_generates_what_a_fresh_engine_does(tmp_path):
+    """Caches are kept between calls; whatever a slot held before is masked until overwritten."""
+    path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    first, second = random_prompts([30, 25, 28, 31], 128, seed=4), random_prompts([5, 9, 3, 12, 7], 128, seed=5)
+    used = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    used.generate(first, params, gamma=3)
+    caches = dict(used._caches)
+    for gamma in (3, 0, 2):
+        fresh = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+        want = [o.token_ids for o in fresh.generate(second, params, gamma=gamma)]
+        assert [o.token_ids for o in used.generate(second, params, gamma=gamma)] == want
+        assert [o.num_accepted_tokens for o in used.generate(second, params, gamma=gamma)] == \
+               [o.num_accepted_tokens for o in fresh.generate(second, params, gamma=gamma)]
+    assert all(used._caches[k] is c for k, c in caches.items())         # the same buffers throughout

@@ -127,9 +127,9 @@ def test_engine_caches_are_bounded_by_batch_and_context(tmp_path, monkeypatch):
         device="cpu", max_batch_size=batch)
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)      # more than the context holds
     for n in (4, 13):
-        shapes.clear()
         prompts = random_prompts([58 + i % 4 for i in range(n)], 128, seed=n)    # near the context
         outs = engine.generate(prompts, params, gamma=gamma)
         assert len(outs) == n and all(o.error is None for o in outs)
-        assert shapes and all(s[1] <= batch and s[3] <= context + gamma + 2 for s in shapes), shapes
+    assert shapes and all(s[1] <= batch and s[3] <= context + gamma + 2 for s in shapes), shapes
     assert max(s[1] for s in shapes) == batch                   # 13 prompts, still 4 cache rows
+    assert len(shapes) == 2         # the target's and the heads' caches: made by the first call, reused by the second

@@ -37,11 +37,14 @@ class PendingFill:
 
 
 class Drafter:
-    def __init__(self, heads, batch_size: int, capacity: int, hidden_size: int, dtype, device):
+    def __init__(self, heads, batch_size: int, capacity: int, hidden_size: int, dtype, device,
+                 cache: KVCache | None = None):
+        """`cache`: the heads' KV cache to use (at least this size), else a new one."""
         self.heads = heads
         k = len(heads)
         attn = heads[0].self_attn
-        self.cache = KVCache(k, batch_size, capacity, attn.num_kv_heads, attn.head_dim, dtype, device)
+        self.cache = cache or KVCache(k, batch_size, capacity, attn.num_kv_heads, attn.head_dim, dtype, device)
+        batch_size, capacity = self.cache.k.shape[1], self.cache.capacity
         self.valid = torch.zeros(k, batch_size, capacity, dtype=torch.bool, device=device)   # [K, B, T]
         self.carry = torch.zeros(k, batch_size, hidden_size, dtype=dtype, device=device)     # [K, B, H]
         self.carry_ok = torch.zeros(batch_size, dtype=torch.bool, device=device)            # [B]

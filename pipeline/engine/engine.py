@@ -65,6 +65,7 @@ class Engine:
         self.last_stats = SpecStats()         # the last generate call alone
         self.costs = CostTracker()            # profile, measured steps, fitted cost model
         self.last_policy: GammaPolicy | None = None   # its .decisions explain each step's gamma
+        self._caches: dict[str, KVCache] = {}          # the last call's KV caches, reused where they fit
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
@@ -87,6 +88,20 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.stats = SpecStats()
+
+    def kv_cache(self, kind: str, num_layers: int, batch: int, capacity: int, num_kv_heads: int,
+                 head_dim: int) -> KVCache:
+        """A KV cache of at least this size for a generate call: the last call's where it fits,
+        else a new one (the old one released first, so two are never held). Reuse skips zeroing
+        tens of MB per call (~30 ms of a 1.3 s summarize call at batch 48 on the demo model);
+        what a slot held before is masked and overwritten like any rolled-back draft
+        (pipeline.model.cache)."""
+        held = self._caches.get(kind)
+        if held is not None and held.fits(num_layers, batch, capacity, num_kv_heads, head_dim):
+            return held
+        self._caches.pop(kind, None)
+        self._caches[kind] = KVCache(num_layers, batch, capacity, num_kv_heads, head_dim, self.dtype, self.device)
+        return self._caches[kind]
 
     # ---- the measured gamma policy -------------------------------------------------------------
     def cost_model(self) -> CostModel | None:
@@ -190,9 +205,13 @@ class _Run:
         self.gamma_cap = min(engine.gamma_max, policy.max_gamma()) if engine.heads else 0
         batch = min(engine.max_batch_size, len(rows))
         capacity = max(len(r.prompt_ids) + r.max_new for r in rows) + self.gamma_cap + 2
-        self.cache = KVCache(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, engine.dtype, engine.device)
-        self.drafter = (Drafter(engine.heads, batch, capacity, cfg.hidden_size, engine.dtype, engine.device)
-                        if engine.heads and self.gamma_cap > 0 else None)
+        self.cache = engine.kv_cache("target", cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.drafter = None
+        if engine.heads and self.gamma_cap > 0:
+            attn = engine.heads[0].self_attn
+            heads_cache = engine.kv_cache("heads", len(engine.heads), batch, capacity, attn.num_kv_heads, attn.head_dim)
+            self.drafter = Drafter(engine.heads, batch, capacity, cfg.hidden_size, engine.dtype, engine.device,
+                                   cache=heads_cache)
         self.slots = Slots(batch, engine.device, self.drafter, self.cache)
         self.queue = deque(rows)
         self.eos = frozenset(cfg.eos_token_ids)

@@ -82,6 +82,11 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
 
+    def fits(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether this cache can serve a call that needs the given size (it may be larger)."""
+        layers, rows, kv_heads, t, d = self.k.shape
+        return (layers, kv_heads, d) == (num_layers, num_kv_heads, head_dim) and rows >= batch_size and t >= capacity
+
     def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [n, kv_heads, q, d] for the query positions of `batch`."""
         rows, pos = batch.rows[:, None], batch.positions                     # [n, 1], [n, q]
