@@ -96,7 +96,8 @@ class CostTracker:
     def _check_drift(self) -> None:
         """Every quarter window (a median per step would cost more than the check is worth)."""
         self._unchecked += 1
-        if self._unchecked >= self.ratios.maxlen // 4 and len(self.ratios) == self.ratios.maxlen and self.stale_reason is None:
+        full = len(self.ratios) == self.ratios.maxlen
+        if full and self._unchecked >= self.ratios.maxlen // 4 and self.stale_reason is None:
             self._unchecked = 0
             ratio = statistics.median(self.ratios)
             if not 1 / self.drift <= ratio <= self.drift:

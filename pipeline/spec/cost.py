@@ -131,8 +131,9 @@ class CostModel:
 
     def step_s_by_gamma(self, rows: int, gamma_max: int, ctx: float) -> list[float]:
         """`step_s` for gamma 0..gamma_max (the shape's buckets worked out once)."""
-        factors = self.local.factors_by_gamma(rows, ctx, gamma_max) if self.local is not None else None
-        return [self.modelled_step_s(rows, g, ctx) * (factors[g] if factors else 1.0) for g in range(gamma_max + 1)]
+        factors = (self.local.factors_by_gamma(rows, ctx, gamma_max) if self.local is not None
+                   else [1.0] * (gamma_max + 1))
+        return [self.modelled_step_s(rows, g, ctx) * f for g, f in enumerate(factors)]
 
 
 def rows_bucket(rows: int) -> int:
