@@ -35,7 +35,7 @@ import torch
 
 from pipeline.demo.tasks import TEMPLATES      # the demo tasks' prompt formats
 from pipeline.engine import Engine, SamplingParams
-from pipeline.spec.stats import SpecStats
+from pipeline.spec_decode.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "pipeline" / "assets" / "demo" / "model"

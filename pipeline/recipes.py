@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 
 RECIPES: dict[str, str] = {
-    "generate": "pipeline.dist.driver:main",   # Ray actor pool over Parquet shards
+    "generate": "pipeline.cluster.driver:main",   # Ray actor pool over Parquet shards
 }
 
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig
 from pipeline.data.record import open_run
-from pipeline.dist.worker import ShardTask, failed_shard_result, process_shard
+from pipeline.cluster.worker import ShardTask, failed_shard_result, process_shard
 
 INFO = {"device": "cpu", "actor_id": "1f2e3d4c" + "0" * 24, "node_id": "n" * 20, "threads": 1}
 FAILURE = "actor died 3 times (last: ActorDiedError: the worker process exited)"

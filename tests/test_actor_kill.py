@@ -1,6 +1,6 @@
 """An actor killed mid-shard by `ray.kill` (from the test, on the live actor's handle) costs only
 that shard: another or a restarted actor redoes it, and its `attempt` says so. (A shard that
-keeps failing because of one row: tests/test_dist_run.py::test_actor_deaths_lose_no_rows.)"""
+keeps failing because of one row: tests/test_cluster_run.py::test_actor_deaths_lose_no_rows.)"""
 import json
 import sys
 import threading
@@ -50,12 +50,12 @@ class HoldsStill:
 
 
 def holding_loader(model, engine):
-    from pipeline.dist.actor import load_engine
+    from pipeline.cluster.actor import load_engine
     return HoldsStill(load_engine(model, engine))
 
 
 def test_ray_kill_mid_shard_costs_only_that_shard(ray_session, tmp_path):
-    from pipeline.dist.driver import run_generation
+    from pipeline.cluster.driver import run_generation
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     box = Mailbox.options(name="mailbox").remote()
@@ -96,7 +96,7 @@ def test_ray_kill_mid_shard_costs_only_that_shard(ray_session, tmp_path):
 
 def test_a_shard_that_cannot_be_read_stops_the_run_with_its_message(ray_session, tmp_path):
     from pipeline.config import UserError
-    from pipeline.dist.driver import run_generation
+    from pipeline.cluster.driver import run_generation
 
     model = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1)
     path = tmp_path / "d.parquet"

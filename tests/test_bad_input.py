@@ -106,9 +106,9 @@ def test_the_corrupt_file_of_a_folder_is_named(model, tmp_path, capsys):
 def test_null_empty_and_long_prompts_are_error_rows_beside_good_rows(model, tmp_path, truncate):
     from pipeline.data import open_source, plan_shards
     from pipeline.config import DataConfig
-    from pipeline.dist.actor import load_engine
+    from pipeline.cluster.actor import load_engine
     from pipeline.config import EngineConfig, ModelConfig
-    from pipeline.dist.worker import ShardTask, process_shard
+    from pipeline.cluster.worker import ShardTask, process_shard
 
     long = "the quick brown fox jumps over the lazy dog " * 20      # far past 48 tokens
     prompts = ["def add(a, b):", None, "", long, "the quick brown"]
@@ -134,10 +134,10 @@ def test_null_empty_and_long_prompts_are_error_rows_beside_good_rows(model, tmp_
 
 def test_a_shard_whose_rows_cannot_be_read_is_a_message_naming_the_file(tmp_path):
     """Footer intact, a data page broken: planning succeeds, reading the shard is a UserError
-    (which stops the run: pipeline/dist/pool.py) naming the rows and the file."""
+    (which stops the run: pipeline/cluster/pool.py) naming the rows and the file."""
     from pipeline.config import DataConfig, UserError
     from pipeline.data import open_source, plan_shards
-    from pipeline.dist.worker import ShardTask, read_task_rows
+    from pipeline.cluster.worker import ShardTask, read_task_rows
 
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"prompt": [f"row {i} " * 50 for i in range(200)]}), path,

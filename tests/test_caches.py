@@ -9,8 +9,8 @@ from pipeline.engine.params import RequestOutput
 from pipeline.engine.slots import Slots
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.loader import load_model
-from pipeline.spec.acceptance import greedy_accept
-from pipeline.spec.policy import FixedGamma
+from pipeline.spec_decode.acceptance import greedy_accept
+from pipeline.spec_decode.policy import FixedGamma
 from tests.tiny_models import random_prompts, tiny_checkpoint
 
 

@@ -14,7 +14,7 @@ from pipeline.dashboard.__main__ import main as dashboard_main
 from pipeline.dashboard.load import load_run, version_token
 from pipeline.dashboard.serve import make_server, resolve_inside
 from pipeline.data.manifest import read_manifest, write_manifest
-from pipeline.dist.metrics import METRICS, RunMetrics, metric_points
+from pipeline.cluster.metrics import METRICS, RunMetrics, metric_points
 from tests.dashboard_runs import FAILURE, make_runs
 
 GRAFANA = Path(__file__).resolve().parents[1] / "infra" / "grafana" / "specbatch.json"
@@ -219,7 +219,7 @@ def test_grafana_dashboard_queries_the_exported_metrics():
 
 
 def test_driver_hook_never_fails_the_run(runs, tmp_path, capsys):
-    from pipeline.dist.driver import write_dashboard
+    from pipeline.cluster.driver import write_dashboard
 
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

@@ -1,10 +1,10 @@
-"""The stats row's cost-model evidence (pipeline/dist/step_samples.py): capped samples and the
+"""The stats row's cost-model evidence (pipeline/cluster/step_samples.py): capped samples and the
 predicted gamma-0 tokens/s of the module docstring's worked example."""
 import pytest
 
-from pipeline.dist.step_samples import cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model
-from pipeline.spec.cost import CostModel
-from pipeline.spec.stats import StepRecord
+from pipeline.cluster.step_samples import cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model
+from pipeline.spec_decode.cost import CostModel
+from pipeline.spec_decode.stats import StepRecord
 
 
 def step(rows=4, gamma=2, verify=0.06, draft=0.02, emitted=5, ctx=10.0):

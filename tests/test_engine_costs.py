@@ -5,8 +5,8 @@ import pytest
 
 from pipeline.engine import Engine
 from pipeline.engine.costs import CostTracker
-from pipeline.spec.cost import MIN_LOCAL, CostModel, fit_cost_model
-from pipeline.spec.stats import StepRecord
+from pipeline.spec_decode.cost import MIN_LOCAL, CostModel, fit_cost_model
+from pipeline.spec_decode.stats import StepRecord
 from tests.tiny_models import tiny_checkpoint
 
 TRUTH = CostModel((5e-3, 2e-6, 40e-6, 1e-9), 128, (1e-3, 2e-6, 5e-4, 3e-6), 0)

@@ -98,7 +98,7 @@ def test_auto_policy_records_a_decision_per_step(root):
 
 
 def test_auto_policy_sees_rows_near_their_budget_and_each_row_when_few(root):
-    from pipeline.spec.policy import FEW_ROWS, GoodputPolicy
+    from pipeline.spec_decode.policy import FEW_ROWS, GoodputPolicy
 
     class Recording(GoodputPolicy):
         def choose(self, ctx):

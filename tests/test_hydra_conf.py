@@ -66,6 +66,6 @@ def test_without_job_prints_the_job_list():
 
 
 def test_recipe_names_resolve_by_registry_path_or_convention():
-    assert target_of("generate") == "pipeline.dist.driver:main"
+    assert target_of("generate") == "pipeline.cluster.driver:main"
     assert target_of("pkg.mod:fn") == "pkg.mod:fn"
     assert target_of("build_demo") == "jobs.build_demo:main"

@@ -58,7 +58,7 @@ def write_rows(path, num_rows, group=50_000):
 
 def driver_peaks(raw):
     """Run and return (Python heap peak, Arrow memory peak) of this process, the driver."""
-    from pipeline.dist.driver import run_generation
+    from pipeline.cluster.driver import run_generation
 
     arrow = [pa.total_allocated_bytes()]
     stop = threading.Event()

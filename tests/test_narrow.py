@@ -1,6 +1,6 @@
-"""pipeline/dist/narrow.py: retries, then probes that halve a failing shard down to its bad rows."""
+"""pipeline/cluster/narrow.py: retries, then probes that halve a failing shard down to its bad rows."""
 from pipeline.data.plan import Shard
-from pipeline.dist.narrow import Retries, failures_tolerated
+from pipeline.cluster.narrow import Retries, failures_tolerated
 
 
 def drive(num_rows, bad, max_attempts=2, transient=0):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import EngineConfig, ModelConfig, RunConfig
 from pipeline.dashboard.serve import make_server
-from pipeline.dist.actor import load_engine
+from pipeline.cluster.actor import load_engine
 from pipeline.engine import Engine, SamplingParams
 from pipeline.model.loader import load_model
 from tests.tiny_models import tiny_checkpoint

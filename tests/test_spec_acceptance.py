@@ -3,10 +3,10 @@ import math
 
 import torch
 
-from pipeline.spec import rng
-from pipeline.spec.acceptance import accepted_prefix, greedy_accept, rejection_sample
-from pipeline.spec.sampling import filtered_probs, sample
-from pipeline.spec.stats import SpecStats
+from pipeline.spec_decode import rng
+from pipeline.spec_decode.acceptance import accepted_prefix, greedy_accept, rejection_sample
+from pipeline.spec_decode.sampling import filtered_probs, sample
+from pipeline.spec_decode.stats import SpecStats
 from tests.stats_util import chi_square_pvalue
 
 

@@ -5,10 +5,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pipeline.spec.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection, fit_cost_model
-from pipeline.spec.policy import (ROW_PRIOR, GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
+from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection, fit_cost_model
+from pipeline.spec_decode.policy import (ROW_PRIOR, GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
                                   expected_tokens, row_acceptance)
-from pipeline.spec.stats import SpecStats, StepRecord
+from pipeline.spec_decode.stats import SpecStats, StepRecord
 
 GMAX = 5
 

@@ -18,7 +18,7 @@ from pipeline.config import OUTPUT_COLUMNS, RunConfig, UserError
 from pipeline.data import commit_part, committed_shards, part_stats, read_manifest, write_stats
 from pipeline.data.commit import remove_temp_files
 from pipeline.data.storage import hydra_dir, open_store
-from pipeline.dist.model_files import ModelNotVisible, cache_dir_for, model_on_node
+from pipeline.cluster.model_files import ModelNotVisible, cache_dir_for, model_on_node
 
 moto_server = pytest.importorskip("moto.server")
 ray = pytest.importorskip("ray")
@@ -151,7 +151,7 @@ def raw_cfg(assets, output_dir, model_path, resume=False):
 
 
 def test_run_and_resume_against_s3(s3, assets, ray_session):
-    from pipeline.dist.driver import run_generation
+    from pipeline.cluster.driver import run_generation
 
     fs, run = s3["fs"], s3["uri"]("runs/job1")
     raw = raw_cfg(assets, run, assets["model_uri"])
@@ -186,7 +186,7 @@ def test_run_and_resume_against_s3(s3, assets, ray_session):
 
 
 def test_actor_names_its_node_when_the_model_is_missing(assets, ray_session, tmp_path):
-    from pipeline.dist.driver import run_generation
+    from pipeline.cluster.driver import run_generation
 
     missing = str(tmp_path / "no-such-model")
     raw = raw_cfg(assets, str(tmp_path / "run"), missing)

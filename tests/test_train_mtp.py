@@ -10,7 +10,7 @@ from pipeline.demo.train_mtp import MTPTrainSpec, collate, evaluate_heads, train
 from pipeline.model.loader import load_model
 from pipeline.model.mtp import MTPHead, save_mtp_heads
 from pipeline.model.tiny import make_tiny_checkpoint
-from pipeline.spec.policy import expected_tokens
+from pipeline.spec_decode.policy import expected_tokens
 
 
 @torch.no_grad()

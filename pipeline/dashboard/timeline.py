@@ -2,7 +2,7 @@
 utilisation over time, and shard commits per actor over time.
 
 Times are seconds since the first task group started (stats rows' started_at/finished_at, unix
-seconds). The cost fit is `pipeline.spec.cost.fit_cost_model` over every shard's samples, the
+seconds). The cost fit is `pipeline.spec_decode.cost.fit_cost_model` over every shard's samples, the
 same fit the gamma policy uses, drawn at the median context length.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _model_line(fig: go.Figure, name: str, model: Any, ctx: float, top: int, col
 
 def policy_model(rows: Rows, device: str) -> Any:
     """The verify model the device's latest shard ran with (its stats row's cost_model_verify)."""
-    from pipeline.spec.cost import CostModel
+    from pipeline.spec_decode.cost import CostModel
 
     mine = [r for r in rows if str(r.get("device") or "?") == device and r.get("cost_model_verify")]
     if not mine:
@@ -68,7 +68,7 @@ def policy_model(rows: Rows, device: str) -> Any:
 def cost_figure(rows: Rows) -> go.Figure | None:
     """Measured verify time against rows x tokens, with the model the policy used (dashed) and
     a fit over the samples drawn here (solid, where they hold 3 shapes or more)."""
-    from pipeline.spec.cost import fit_cost_model      # torch: imported only when drawing
+    from pipeline.spec_decode.cost import fit_cost_model      # torch: imported only when drawing
 
     by_device = samples_by_device(rows)
     if not by_device:

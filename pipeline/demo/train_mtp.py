@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.demo.mtp_math import mtp_loss, teacher_forced_acceptance
-from pipeline.spec.policy import expected_tokens
+from pipeline.spec_decode.policy import expected_tokens
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 the cost model fitted from both, and when that knowledge has gone stale.
 
 Every step the engine runs is `record`ed: it joins the window the smooth model is refitted from
-and the per-shape local correction (pipeline.spec.cost.LocalCorrection), which prices it at once.
+and the per-shape local correction (pipeline.spec_decode.cost.LocalCorrection), which prices it at once.
 
 Stale means re-profile before the next shard, for one of two measured reasons:
 - drift: over the last `window` steps at shapes already measured, the step time is off what the
@@ -21,8 +21,8 @@ import statistics
 import time
 from collections import deque
 
-from pipeline.spec.cost import CostModel, LocalCorrection, fit_cost_model, step_seconds
-from pipeline.spec.stats import StepRecord
+from pipeline.spec_decode.cost import CostModel, LocalCorrection, fit_cost_model, step_seconds
+from pipeline.spec_decode.stats import StepRecord
 
 
 class CostTracker:

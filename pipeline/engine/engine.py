@@ -20,12 +20,12 @@ from pipeline.engine.rows import Row
 from pipeline.engine.slots import Slots
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
-from pipeline.spec import rng
-from pipeline.spec.acceptance import greedy_accept, rejection_sample
-from pipeline.spec.cost import CostModel
-from pipeline.spec.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext, make_policy
-from pipeline.spec.sampling import filtered_probs, sample
-from pipeline.spec.stats import PrefillRecord, SpecStats, StepRecord
+from pipeline.spec_decode import rng
+from pipeline.spec_decode.acceptance import greedy_accept, rejection_sample
+from pipeline.spec_decode.cost import CostModel
+from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext, make_policy
+from pipeline.spec_decode.sampling import filtered_probs, sample
+from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
 
 
 _KEEP_STEPS = 4096      # step records an engine keeps for the cost model and stats export
@@ -305,7 +305,7 @@ class _Run:
         self.e.costs.record(step, refine=self.refine)
 
     def _rows_apart(self, n: int) -> tuple:
-        """For the cost-model policy: the rows it prices on their own (pipeline.spec.policy):
+        """For the cost-model policy: the rows it prices on their own (pipeline.spec_decode.policy):
         every row at a tail (queue empty, few rows left), else those within gamma_max tokens of
         their budget. Not every row of a small batch: a fresh row is a typical one, and a row
         priced down to gamma 0 after two misses would draft no more and never be priced up."""

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.model.cache import Batch, KVCache
-from pipeline.spec.stats import StepRecord
+from pipeline.spec_decode.stats import StepRecord
 
 
 def _rows_grid(max_rows: int) -> list[int]:

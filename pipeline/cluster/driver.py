@@ -16,12 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.config import ClusterConfig, RunConfig, UserError
 from pipeline.data.record import RunRecord, open_run
 from pipeline.data.storage import is_uri
-from pipeline.dist.actor import Loader, actor_options, load_engine, start_actor
-from pipeline.dist.metrics import RunMetrics
-from pipeline.dist.narrow import Retries, Try, failures_tolerated
-from pipeline.dist.pool import ActorPool, ActorsKeepDying
-from pipeline.dist.progress import Progress
-from pipeline.dist.worker import ShardResult, ShardTask, failed_shard_result
+from pipeline.cluster.actor import Loader, actor_options, load_engine, start_actor
+from pipeline.cluster.metrics import RunMetrics
+from pipeline.cluster.narrow import Retries, Try, failures_tolerated
+from pipeline.cluster.pool import ActorPool, ActorsKeepDying
+from pipeline.cluster.progress import Progress
+from pipeline.cluster.worker import ShardResult, ShardTask, failed_shard_result
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
 BUILD_DEMO = "python -m pipeline.run +job=build_demo"
@@ -112,7 +112,7 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     `loader(model_cfg, engine_cfg)` builds each actor's engine (default: Engine.from_pretrained);
     `record`: the run as `open_run(cfg, resolved)` opened it (opened here when None)."""
     if not ray.is_initialized():
-        raise RuntimeError("Ray is not running: start it first (pipeline.dist.driver.main does)")
+        raise RuntimeError("Ray is not running: start it first (pipeline.cluster.driver.main does)")
     record = record or open_run(cfg, resolved)
     pending = record.pending()
     if not pending:

@@ -12,8 +12,8 @@ from typing import Any, Callable
 import ray
 
 from pipeline.config import EngineConfig, ModelConfig
-from pipeline.dist.model_files import model_on_node
-from pipeline.dist.worker import ShardResult, ShardTask, commit_result, process_shard
+from pipeline.cluster.model_files import model_on_node
+from pipeline.cluster.worker import ShardResult, ShardTask, commit_result, process_shard
 
 
 def load_engine(model: ModelConfig, engine: EngineConfig) -> Any:
@@ -40,7 +40,7 @@ class ShardWorker:
     builds the engine; the default is `load_engine`."""
 
     def __init__(self, model: ModelConfig, engine: EngineConfig, num_threads: int | None = None,
-                 loader: str | Loader = "pipeline.dist.actor:load_engine") -> None:
+                 loader: str | Loader = "pipeline.cluster.actor:load_engine") -> None:
         import torch
 
         if num_threads:
@@ -72,7 +72,7 @@ def actor_options(use_gpus: bool, gpus_per_actor: float, cpus_per_actor: int) ->
 
 
 def start_actor(model: ModelConfig, engine: EngineConfig, options: dict,
-                loader: str | Loader = "pipeline.dist.actor:load_engine") -> Any:
+                loader: str | Loader = "pipeline.cluster.actor:load_engine") -> Any:
     threads = None if options.get("num_gpus") else int(options["num_cpus"])
     remote_cls = ray.remote(ShardWorker).options(**options)
     return remote_cls.remote(model, engine, threads, loader)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from pipeline.spec.cost import CostModel, fit_cost_model
+from pipeline.spec_decode.cost import CostModel, fit_cost_model
 
 
 _FIELDS = ("rows", "query_len", "context_len", "verify_s", "draft_s", "emitted")

@@ -15,8 +15,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from pipeline.config import UserError
-from pipeline.dist.narrow import Try
-from pipeline.dist.worker import ShardResult, ShardTask
+from pipeline.cluster.narrow import Try
+from pipeline.cluster.worker import ShardResult, ShardTask
 
 
 def start_error(text: str) -> str:

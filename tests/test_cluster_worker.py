@@ -1,4 +1,4 @@
-"""pipeline/dist/worker.py without Ray: one shard through a stand-in engine with the Engine API."""
+"""pipeline/cluster/worker.py without Ray: one shard through a stand-in engine with the Engine API."""
 import time
 from dataclasses import dataclass, field
 
@@ -8,8 +8,8 @@ import pytest
 
 from pipeline.config import OUTPUT_COLUMNS, DataConfig, SamplingConfig
 from pipeline.data import open_source, plan_shards
-from pipeline.dist.utilization import UtilizationMeter, cpu_share
-from pipeline.dist.worker import ShardTask, failed_shard_result, gamma_in_use, process_shard, row_key
+from pipeline.cluster.utilization import UtilizationMeter, cpu_share
+from pipeline.cluster.worker import ShardTask, failed_shard_result, gamma_in_use, process_shard, row_key
 
 pytest.importorskip("pipeline.engine", reason="engine package")
 from pipeline.engine import RequestOutput  # noqa: E402
@@ -122,7 +122,7 @@ def test_utilization_meter_on_cpu_sees_a_busy_loop():
 
 
 def test_auto_gamma_fields_come_from_the_policy_decisions():
-    from pipeline.spec.policy import Decision
+    from pipeline.spec_decode.policy import Decision
 
     class Policy:
         decisions = [Decision(5, "calibrating acceptance (0/64 row-steps)", [], [], []),
@@ -146,7 +146,7 @@ def test_auto_gamma_on_a_real_engine_calibrates_once_per_task(tmp_path):
     """Through process_shard with the real engine: the first shard of a task calibrates, its
     acceptance becomes the prior, and the next shard of that task decides from the start."""
     from pipeline.engine import Engine
-    from pipeline.spec.policy import GoodputPolicy
+    from pipeline.spec_decode.policy import GoodputPolicy
     from tests.tiny_models import tiny_checkpoint
 
     path = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)

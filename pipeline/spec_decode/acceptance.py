@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.spec.sampling import sample
+from pipeline.spec_decode.sampling import sample
 
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ priced at the spell, and the policy compares it with gammas measured since: one 
 at gamma 0 made `auto` speculate for the next four calls on summarize at batch 1, 14-20% below
 gamma 0 (a throwaway check that slowed the target's forward). So each bucket counts the engine's
 steps since it last ran (`age`), and while speculating the policy re-measures plain decoding
-once its price has aged (pipeline.spec.policy). When a bucket runs again after more than
+once its price has aged (pipeline.spec_decode.policy). When a bucket runs again after more than
 REVISIT_STEPS steps elsewhere, only its newest MIN_LOCAL - 1 old steps are kept: after
 MIN_LOCAL new steps the new ones are the majority, and its median is what the shape costs now.
 

@@ -21,9 +21,9 @@ from pipeline.data.outputs import error_results, output_table
 from pipeline.data.plan import Shard
 from pipeline.data.prompts import build_prompts, needed_columns, row_ids, row_tasks
 from pipeline.data.read import read_shard
-from pipeline.dist.step_samples import (cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model,
+from pipeline.cluster.step_samples import (cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model,
                                         verify_coefficients)
-from pipeline.dist.utilization import UtilizationMeter
+from pipeline.cluster.utilization import UtilizationMeter
 
 
 @dataclass(frozen=True)

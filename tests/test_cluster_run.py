@@ -63,7 +63,7 @@ def part_mtimes(out_dir):
 
 
 def test_run_then_resume(assets, ray_session, tmp_path):
-    from pipeline.dist.driver import main, run_generation
+    from pipeline.cluster.driver import main, run_generation
 
     out_dir = tmp_path / "run"
     cfg = job_cfg(assets, out_dir)
@@ -138,7 +138,7 @@ def test_missing_model_is_a_message_not_a_traceback(tmp_path):
 
 
 def test_missing_demo_assets_name_the_build_command():
-    from pipeline.dist.driver import DEMO_DIR, check_inputs
+    from pipeline.cluster.driver import DEMO_DIR, check_inputs
 
     raw = {"model": {"path": str(DEMO_DIR / "no-such-model")}, "data": {"path": "x.parquet"},
            "output": {"dir": "runs/x"}}
@@ -165,14 +165,14 @@ class CrashingEngine:
 
 def crashing_loader(marker, always):
     def load(model, engine):
-        from pipeline.dist.actor import load_engine
+        from pipeline.cluster.actor import load_engine
         return CrashingEngine(load_engine(model, engine), marker, always)
     return load
 
 
 @pytest.mark.parametrize("always", [False, True])
 def test_actor_deaths_lose_no_rows(assets, ray_session, tmp_path, always):
-    from pipeline.dist.driver import run_generation
+    from pipeline.cluster.driver import run_generation
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     n = 8
@@ -201,7 +201,7 @@ def test_actor_deaths_lose_no_rows(assets, ray_session, tmp_path, always):
 
 
 def test_pool_is_sized_to_what_the_cluster_holds(assets, ray_session, tmp_path):
-    from pipeline.dist.driver import pool_size
+    from pipeline.cluster.driver import pool_size
 
     cpus = int(ray.cluster_resources()["CPU"])
     raw = {"model": {"path": assets["model"]}, "data": {"path": "x"}, "output": {"dir": "y"},

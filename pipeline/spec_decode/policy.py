@@ -32,13 +32,13 @@ gamma 0 for json where gamma 3-5 ran 9-16% faster and speculated for complete wh
 rows at batch 1, once per task.
 
 Plain decoding is measured before speculation at every shape: where the engine's local
-correction (pipeline.spec.cost) holds fewer than MIN_LOCAL plain-decoding steps at this (rows,
+correction (pipeline.spec_decode.cost) holds fewer than MIN_LOCAL plain-decoding steps at this (rows,
 context) bucket, a speculative choice runs gamma 0 instead until it does. Otherwise gamma 0
 would be priced by a speculative gamma's correction, and on a CPU the two differ by tens of
 percent; the price is at most MIN_LOCAL plain steps per bucket, once per engine.
 
 Measurements age. On a shared machine a slow spell lasts seconds, and a gamma the policy stopped
-running keeps the price it had then (pipeline.spec.cost says what that did). So while the
+running keeps the price it had then (pipeline.spec_decode.cost says what that did). So while the
 policy speculates, plain decoding is run again at a (rows, context) shape for MIN_LOCAL steps
 once the engine has run more than MIN_LOCAL * gap / `remeasure_share` steps (any shape) since
 it last ran there, gap being how far behind gamma 0 is predicted (at least `min_gain`).
@@ -73,8 +73,8 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Callable, Protocol
 
-from pipeline.spec.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection
-from pipeline.spec.stats import SpecStats
+from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection
+from pipeline.spec_decode.stats import SpecStats
 
 FEW_ROWS = 8            # at a tail (none queued), at most this many rows: each priced with its own acceptance
 ROW_PRIOR = 4.0         # weight (row-steps) of the task's a_1 in a row's own first-draft estimate
