@@ -33,7 +33,7 @@ class CostTracker:
         self.local = LocalCorrection()
         self.refit_every, self.drift, self.util_jump = refit_every, drift, util_jump
         self.refit_share = refit_share   # refits may take at most this share of decoding time
-        self.fit_steps = fit_steps       # fits use the most recent real steps (a fit over 2000 takes ~80 ms)
+        self.fit_steps = fit_steps       # fits use the most recent real steps (a fit's time grows with them)
         self.ratios: deque[float] = deque(maxlen=window)
         self._unchecked = 0               # ratios added since the last drift check
         self.baseline_util: float | None = None
@@ -61,9 +61,9 @@ class CostTracker:
     def model(self) -> CostModel | None:
         """The fitted model over the profile and the recorded steps. Refitted (the online
         refinement) once `refit_every` refining steps have run and their time is at least the
-        last fit's / `refit_share`, so refitting costs at most that share of decoding (0.2%: a
-        fit takes ~5-10 ms, a short call on a CPU ~0.3 s); the local correction follows every
-        step in between, so the smooth model only prices shapes not yet run."""
+        last fit's / `refit_share`, so refitting costs at most that share of decoding; the local
+        correction follows every step in between, so the smooth model only prices shapes not yet
+        run."""
         due = self._new_steps >= self.refit_every and self._new_work_s * self.refit_share >= self._fit_s
         if self._model is None or due:
             t0 = time.perf_counter()

@@ -34,8 +34,8 @@ PAD_SLACK = 1.25        # a prefill forward computes at most this many (padded) 
 
 def prefill_groups(lengths: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
     """Indices of prompts to admit, grouped by length, one prefill forward per group: padding a
-    batch to its longest prompt computes tokens that are thrown away (the demo's summarize
-    prompts are 15-372 tokens: 77% of a 48-row batch would be padding). Ascending, a group grows
+    batch to its longest prompt computes tokens that are thrown away (most of them, where prompt
+    lengths vary tenfold). Ascending, a group grows
     while rows x its longest prompt stays within `slack` x its real tokens.
     Example: [5, 100, 6, 90] -> [[0, 2], [3, 1]]."""
     groups, group, real = [], [], 0
@@ -93,8 +93,7 @@ class Engine:
                  head_dim: int) -> KVCache:
         """A KV cache of at least this size for a generate call: the last call's where it fits,
         else a new one (the old one released first, so two are never held). Reuse skips zeroing
-        tens of MB per call (~30 ms of a 1.3 s summarize call at batch 48 on the demo model);
-        what a slot held before is masked and overwritten like any rolled-back draft
+        tens of MB per call; what a slot held before is masked and overwritten like any rolled-back draft
         (pipeline.model.cache)."""
         held = self._caches.get(kind)
         if held is not None and held.fits(num_layers, batch, capacity, num_kv_heads, head_dim):

@@ -4,9 +4,7 @@ shapes, recorded as StepRecords so the cost model fits them like real steps.
 A draft is timed through the engine's own Drafter (every head's fill over the gamma + 1 tokens a
 step accepts at most, then gamma depths with their logits), not a sketch of it: the profile is
 all the cost model knows of drafting until the engine speculates, and after a long run of plain
-decoding the fit window holds no drafted step to correct it. (A sketch that filled one head and
-skipped the first depth's logits priced a drafting step at a tail 2-4x below what it took on the
-demo model, so the policy speculated there and lost; a throwaway trace of json at batch 48.)"""
+decoding the fit window holds no drafted step to correct it (docs/decisions.md, 2026-11-29)."""
 from __future__ import annotations
 
 import time

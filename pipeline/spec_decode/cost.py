@@ -2,51 +2,34 @@
 
 verify_s(rows, q, ctx): a target forward over rows x q tokens against ctx cached tokens. On an
 accelerator it is flat while memory-bound (weights are read once whatever the batch) and rises
-once compute-bound; so it is fitted as a hinge in N = rows * q plus an attention term:
+once compute-bound; so it is a hinge in N = rows * q (knee by grid search over the measured N),
+plus a fixed extra cost m of a multi-token verify over one-token decoding, plus attention:
 
     verify_s = a + m * [q > 1] + b * N + h * max(0, N - knee) + c * N * ctx     (all >= 0)
 
-m is the fixed extra cost of a multi-token verify over one-token decoding (other kernels,
-masks, a wider logits slice); measured on a CPU it is a large part of a small model's step.
-The knee is chosen by grid search over the measured N. draft_s(rows, gamma, ctx): every head's
-fill over the tokens accepted last step (about rows * (gamma + 1) of them) plus gamma - 1
-one-token head steps, each attending to the context like the target (k):
+draft_s(rows, gamma, ctx): every head's fill over the tokens accepted last step (about
+rows * (gamma + 1)), attending to the context like the target, plus gamma - 1 one-token steps:
 
     draft_s = [gamma > 0] * (d + e * rows * (gamma + 1) + k * rows * (gamma + 1) * ctx)
               + max(gamma - 1, 0) * (f + g * rows)
 
-A step also spends time outside both forwards: choosing gamma, emitting tokens, stop checks.
-It is measured on every real step (the profile has none) and fitted as o0 + o1 * rows; it is
-why a small model's plain decoding step costs more than its forward alone, and it is paid once
-per step however many tokens the step emits.
+overhead_s(rows) = o0 + o1 * rows: the rest of a step (choosing gamma, emitting tokens, stop
+checks), measured on real steps only and paid once per step however many tokens it emits.
 
-A smooth model of the whole range of shapes is off by tens of percent at some of them (a CPU's
-batch-1 step is mostly interpreter time the hinge does not see). So the steps the engine really
-ran also correct it locally (`LocalCorrection`): for each (gamma, rows bucket half an octave wide,
-context bucket an octave wide) with at least `MIN_LOCAL` steps, the median of measured / modelled
-whole-step time over its last `KEEP_LOCAL` steps multiplies the model there. These are kept per
-shape, not in the window the smooth model is fitted from, so a shape measured once stays measured
-however many other steps run after it. A shape not yet run takes the factor of the nearest
-measured one at the same rows: the same gamma at the nearest context first (a gamma's own
-overheads carry across contexts), else the nearest gamma. What the engine runs is thus priced as
-measured, and a shape it has not run is priced by the model until it runs it.
+Fits minimise relative error under non-negativity. The start-up profile (bare forwards, every
+shape) is fitted together with the real steps (everything around the forwards, only the shapes
+chosen), the profile weighted `profile_weight`; each part is then rescaled by the median of
+real / predicted: the profile gives the shape of the costs, the real steps their level.
 
-What a shape cost when it last ran is not what it costs now on a shared machine: some seconds run
-markedly slower than others (in the gamma-policy benchmark, of two identical calls in one
-repetition one ran up to 1.7x slower). A gamma run during a slow spell and then left stays
-priced at the spell, and the policy compares it with gammas measured since: one 1.5x-slow call
-at gamma 0 made `auto` speculate for the next four calls on summarize at batch 1, 14-20% below
-gamma 0 (a throwaway check that slowed the target's forward). So each bucket counts the engine's
-steps since it last ran (`age`), and while speculating the policy re-measures plain decoding
-once its price has aged (pipeline.spec_decode.policy). When a bucket runs again after more than
-REVISIT_STEPS steps elsewhere, only its newest MIN_LOCAL - 1 old steps are kept: after
-MIN_LOCAL new steps the new ones are the majority, and its median is what the shape costs now.
-
-Fits minimise relative error (times span orders of magnitude) under non-negativity. The
-start-up profile times bare forwards and covers every shape; the steps the engine really ran
-include everything around them but only the shapes it chose. So both are fitted (the profile
-weighted `profile_weight`), and then each part is rescaled by the median of real / predicted
-over the real steps: the profile gives the shape of the costs, the real steps their level.
+A smooth model is off by tens of percent at some shapes, so `LocalCorrection` multiplies it by
+the median measured / modelled whole-step time of the last `KEEP_LOCAL` steps at each (gamma,
+rows bucket, context bucket) with at least `MIN_LOCAL` of them; a shape not yet run borrows the
+factor of the nearest measured bucket at the same rows (same gamma at the nearest context
+first, else the nearest gamma). These are kept per shape, apart from the fit window, so a shape
+measured once stays measured. Prices age on a shared machine: each bucket counts the engine's
+steps since it last ran (`age`, used by the policy to re-measure gamma 0), and a bucket run again
+after REVISIT_STEPS steps elsewhere keeps only its newest MIN_LOCAL - 1 old steps, so MIN_LOCAL
+new steps set its price. Measurements behind this design: docs/decisions.md (2026-11-29).
 """
 from __future__ import annotations
 

@@ -3,69 +3,31 @@
     E(gamma)       = 1 + sum_{j=1..gamma} prod_{k<=j} a_k            (tokens per row per step)
     goodput(gamma) = rows * E(gamma) / (T_verify(rows, gamma+1, ctx) + T_draft(rows, gamma) + T_overhead(rows))
 
-Some rows are priced on their own (`StepContext.rows_apart`), the rest at the task's E:
-- a row that may take only r more tokens (its max_new_tokens budget) gains nothing from drafts
-  beyond r - 1, so its E is taken at min(gamma, r - 1);
-- at a shard's tail (no rows queued, at most `FEW_ROWS` active), each row's own first-draft hit
-  rate scales the task's a_k for it (Beta prior of weight `ROW_PRIOR` at the task's a_1). A
-  fresh row is a typical one, priced at the task's E; the few rows left at the end are the ones
-  that ran longest, and on the demo model they accept far less than the task's average.
+`GoodputPolicy` is asked before every step and picks the gamma in 0..gamma_max with the highest
+predicted goodput, from per-depth acceptance a_k (earlier shards of the task as a prior, plus
+this call) and the engine's fitted cost model (pipeline.spec_decode.cost). gamma 0 is always a
+candidate: where the accelerator is compute-bound, verifying gamma + 1 tokens costs about
+gamma + 1 times one and speculation loses. Speculation must predict more than `min_gain` over
+gamma 0 to be chosen, since predictions carry a few percent of error.
 
-`GoodputPolicy` picks the gamma in 0..gamma_max with the highest predicted goodput, from
-per-depth acceptance a_k (this task's earlier shards as a prior, plus what this run measured)
-and a cost model fitted from measured steps. gamma = 0 is always a candidate: where the
-accelerator is compute-bound, verifying gamma + 1 tokens costs about gamma + 1 times one, and
-speculation loses. The engine asks before every step, so the choice follows the active batch
-as it shrinks at a shard's tail (fewer rows leave more idle compute: for rows at the task's
-acceptance gamma never drops). The one way it can drop is a row priced on its own: a tail row
-whose own drafts keep missing, or one a token or two from its budget, is worth fewer drafts.
+- Calibration: a task with fewer than `calibration_rows` drafted row-steps runs gamma_max, which
+  observes every depth at once. A calibrated task that settles on gamma 0 observes no more
+  drafts, so the estimate has to span enough rows to live on.
+- Rows priced apart (`StepContext.rows_apart`), the rest at the task's E: a row with r tokens
+  left gains nothing from drafts beyond r - 1; at a shard's tail (none queued, at most
+  `FEW_ROWS` active) each row's own first-draft hit rate scales the task's a_k (Beta prior of
+  weight `ROW_PRIOR`). This is the one way gamma drops as a batch shrinks.
+- Plain decoding priced by its own steps: where a speculative gamma would be chosen but the cost
+  model's local correction holds fewer than MIN_LOCAL gamma-0 steps at this (rows, context)
+  bucket, or they are older than MIN_LOCAL * gap / `remeasure_share` engine steps (gap: how far
+  gamma 0 is predicted behind), gamma 0 runs instead, marked `measuring`. A speculative gamma is
+  not re-measured while at gamma 0: a mispriced one only delays a gain.
+- Reuse: a decision stands for `recheck_steps` steps (`recheck_plain_steps` for gamma 0, which
+  moves no acceptance estimate) while rows, cost model, context bucket and rows apart are unchanged.
 
-A task with too few observations is calibrated first: gamma_max for `calibration_rows` (256)
-row-steps, since one step at gamma_max observes every depth at once. Once calibrated, a task
-whose speculation does not pay runs gamma 0 and observes no more drafts, so the calibration
-must be good enough to live on, and must cover enough rows: acceptance varies more between rows
-than within one. Measured on the demo model at batch 1 (24 rows, gamma 5 over all of them as
-the reference): 16 row-steps estimated json's a_1 at 0.53-0.64 (0.78), and 64 row-steps (about
-three rows) estimated complete's a_3..a_5 at 0.91/0.94/0.99 (0.79/0.75/0.83), so the policy kept
-gamma 0 for json where gamma 3-5 ran 9-16% faster and speculated for complete where gamma 5 ran
-23% slower; 256 row-steps gave 0.81/0.74/0.88. That is about six steps at batch 48, or a dozen
-rows at batch 1, once per task.
-
-Plain decoding is measured before speculation at every shape: where the engine's local
-correction (pipeline.spec_decode.cost) holds fewer than MIN_LOCAL plain-decoding steps at this (rows,
-context) bucket, a speculative choice runs gamma 0 instead until it does. Otherwise gamma 0
-would be priced by a speculative gamma's correction, and on a CPU the two differ by tens of
-percent; the price is at most MIN_LOCAL plain steps per bucket, once per engine.
-
-Measurements age. On a shared machine a slow spell lasts seconds, and a gamma the policy stopped
-running keeps the price it had then (pipeline.spec_decode.cost says what that did). So while the
-policy speculates, plain decoding is run again at a (rows, context) shape for MIN_LOCAL steps
-once the engine has run more than MIN_LOCAL * gap / `remeasure_share` steps (any shape) since
-it last ran there, gap being how far behind gamma 0 is predicted (at least `min_gain`).
-Re-measuring thus costs about `remeasure_share` (0.5%) of the steps' worth per shape the engine
-moves between (at batch 1, rows of different prompt lengths alternate between two or three
-context buckets), whatever the gap, and a gamma 0 mispriced by a spell is run again within
-~800 * gap steps (about a second at batch 1 here for a 30% gap). Age counts the engine's steps,
-not steps at the shape: a shape visited a few steps per row would otherwise stay mispriced for
-most of a shard. These steps are marked `measuring`, as are the plain-decoding ones above.
-
-The other way round is not done: at gamma 0, a speculative gamma priced high by a spell is not
-run again to check (a new profile re-prices it). Tried, it cost more than it could win here:
-every shape a batch-48 tail passes through had a speculative price thousands of steps old, and
-re-measuring each made auto run 10-18% below gamma 0 in 2 of 7 batch-48 calls per task of the
-benchmark, where gamma 0 is best. A gamma 0 left mispriced costs throughput below gamma 0; a
-speculative gamma left mispriced only delays a gain.
-
-Speculation must predict more than `min_gain` (default 5%) over plain decoding to be chosen:
-predictions carry a few percent of error, and where speculation's predicted gain is within it,
-plain decoding is the choice that cannot lose to gamma 0. Among speculative gammas the argmax
-stands.
-
-A decision is reused for up to `recheck_steps` (8) steps while the row count, the cost model,
-the context bucket and the rows priced apart stay the same: acceptance estimates move slowly, and
-deciding costs tens of microseconds, a percent of a small model's step on a CPU. A gamma-0
-decision is reused for up to `recheck_plain_steps` (32): plain decoding drafts nothing, so no
-acceptance estimate moves while it runs, and the cost model's refits change the key.
+Example: a = [0.8, 0.5] gives E = 1, 1.8, 2.2 at gamma 0, 1, 2; at 8 rows with whole steps of
+10, 14 and 20 ms, goodput is 800, 1029 and 880 tokens/s, so gamma 1 (29% over gamma 0) is chosen.
+What was measured to arrive at these rules: docs/decisions.md (2026-11-29).
 """
 from __future__ import annotations
 
