@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.bench.report import break_even_batch, check_targets, write_all
-from pipeline.bench.runner import BenchSpec, device_description, run_matrix
+from pipeline.bench.runner import BenchSpec, device_description, machine_info, run_matrix
 from tests.tiny_models import tiny_checkpoint
 
 
@@ -47,9 +47,8 @@ def test_quick_matrix_end_to_end(tmp_path):
         assert c["systems"]["gamma=0"]["roofline_fraction"] > 0
     long = [c for c in cells if c["prompt_length"] == "long"]
     assert all(c["prompt_tokens"] >= 40 for c in long)
-    machine = {"device": device_description(result["engine"]), "dtype": "float32", "flops": result["roofline"].flops,
-               "bandwidth": result["roofline"].bandwidth, "params": result["roofline"].params, "model": "tiny",
-               "max_new_tokens": 6, "reps": 1}
+    machine = machine_info(spec, result)
+    assert machine["device"] == device_description(result["engine"]) and machine["max_new_tokens"] == 6
     text = write_all(result, tmp_path / "out", machine)
     assert "| target | met | evidence |" in text and "Break-even batch" in text
     saved = json.loads((tmp_path / "out" / "bench.json").read_text())
@@ -97,3 +96,35 @@ def test_gamma_policy_benchmark_runs_every_system_with_its_control(tmp_path):
     assert cell["best_fixed_gamma"] == int(best)
     assert sum(cell["auto_steps_per_gamma"].values()) == sum(c["steps"] for c in cell["auto_calls"])
     assert "| json | 1 |" in proc.stdout
+
+
+def test_engine_speed_script_runs_the_matrix_on_random_prompts(tmp_path):
+    """benchmarks/engine_speed.py is the matrix on random token ids, so it runs on a checkpoint
+    without a tokenizer or dataset: one cell per batch, transformers and the fixed gammas only."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    model = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05, with_tokenizer=False)
+    out = tmp_path / "es"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "engine_speed.py"), "--model", model,
+                           "--batches", "1", "2", "--gammas", "0", "2", "--new", "5", "--prompt-len", "7",
+                           "--reps", "1", "--threads", "1", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cells = json.loads((out / "bench.json").read_text())["cells"]
+    assert [(c["task"], c["batch"], c["prompt_tokens"]) for c in cells] == [("random", 1, 7), ("random", 2, 7)]
+    for c in cells:
+        assert set(c["systems"]) == {"transformers", "gamma=0", "gamma=2"}
+    assert "| gamma=2 |" in proc.stdout
+
+
+def test_run_order_alternates_and_paired_ratios_are_per_repetition():
+    from pipeline.bench.repeat import paired, run_order, show_paired
+
+    assert run_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert run_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    r = paired([2.0, 3.0, 8.0], [1.0, 2.0, 4.0])
+    assert r == {"median": 2.0, "min": 1.5, "max": 2.0}
+    assert show_paired(r) == "2.00 (1.50-2.00)"

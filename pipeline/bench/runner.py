@@ -1,7 +1,9 @@
 """The benchmark matrix: systems x batch sizes x tasks x temperatures x prompt lengths.
 
-Every cell's systems run on the same prompts, in round-robin over repetitions so that machine
-noise hits all of them alike; each number is the median over repetitions.
+Every cell's systems run on the same prompts, interleaved over repetitions (pipeline.bench.repeat)
+so that machine noise hits all of them alike; each number is the median over repetitions.
+`run_matrix` is load, make cells, warm up, time; `+job=bench` and benchmarks/engine_speed.py
+run it with different specs.
 """
 from __future__ import annotations
 
@@ -9,31 +11,32 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
-from pipeline.bench.roofline import measure_roofline
-from pipeline.bench.systems import percentile, run_engine, run_transformers
-from pipeline.demo.tasks import TEMPLATES      # the demo tasks' prompt formats
+from pipeline.bench.prompts import RANDOM, random_prompts, task_prompts
+from pipeline.bench.repeat import run_order
+from pipeline.bench.roofline import Roofline, measure_roofline
+from pipeline.bench.systems import Measurement, percentile, run_engine, run_transformers
 from pipeline.engine import Engine, SamplingParams
-
 
 
 @dataclass(frozen=True)
 class BenchSpec:
     model_path: str
-    data_path: str
+    data_path: str | None                  # Parquet with task, text; None: only task "random"
     out_dir: str
     batches: tuple[int, ...] = (1, 8, 32, 64)
-    tasks: tuple[str, ...] = ("summarize", "complete", "json")
+    tasks: tuple[str, ...] = ("summarize", "complete", "json")    # or "random": random token ids
     temperatures: tuple[float, ...] = (0.0, 0.7)
     prompt_lengths: tuple[str, ...] = ("short", "long")
     long_prompt_tokens: int = 384
+    random_prompt_tokens: int = 32         # a short random prompt's length
     gammas: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
     auto: bool = True
     transformers: bool = True
     prompt_lookup_tokens: int = 3          # 0: skip prompt-lookup decoding
     max_new_tokens: int = 64
+    ignore_eos: bool = False               # true: every row generates exactly max_new_tokens
     reps: int = 3
     device: str = "auto"
     seed: int = 0
@@ -53,21 +56,45 @@ class Cell:
         return f"{self.task}/T={self.temperature}/{self.prompt_length}/b={self.batch}"
 
 
-def task_prompts(spec: BenchSpec, tokenizer, task: str, length: str, n: int) -> list[list[int]]:
-    """n prompts of `task`; long ones carry other rows' texts before them as context."""
-    texts = [r["text"] for r in pq.read_table(spec.data_path, columns=["task", "text"]).to_pylist()
-             if r["task"] == task]
-    out = []
-    for i in range(n):
-        prompt = TEMPLATES[task].format(text=texts[i % len(texts)])
-        if length == "long":
-            context, j = [], i + 1
-            while len(tokenizer("\n\n".join(context + [prompt]))["input_ids"]) < spec.long_prompt_tokens:
-                context.append(texts[j % len(texts)])
-                j += 1
-            prompt = "\n\n".join(context + [prompt])
-        out.append(tokenizer(prompt)["input_ids"])
-    return out
+@dataclass
+class Systems:
+    """What the systems run on: the engine, transformers' model (None when not measured)."""
+    engine: Engine
+    hf: object | None
+    pad_id: int
+    eos_ids: tuple
+    roofline: Roofline
+
+
+def load_systems(spec: BenchSpec) -> Systems:
+    import transformers
+
+    engine = Engine.from_pretrained(spec.model_path, device=spec.device, max_batch_size=max(spec.batches),
+                                    gamma_max=max(spec.gammas))
+    hf = None
+    if spec.transformers:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=engine.dtype,
+                                                               trust_remote_code=False).to(engine.device).eval()
+    tok = engine.tokenizer
+    eos = tuple(engine.config.eos_token_ids or ())
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (eos or (0,))[0]
+    roofline = measure_roofline(engine)
+    engine.ensure_profile()
+    return Systems(engine, hf, pad, () if spec.ignore_eos else eos, roofline)
+
+
+def cell_prompts(spec: BenchSpec, engine: Engine, task: str, length: str, n: int) -> list[list[int]]:
+    """n token-id prompts of `task` at `length` ("short" or "long")."""
+    if task == RANDOM:
+        size = spec.long_prompt_tokens if length == "long" else spec.random_prompt_tokens
+        return random_prompts(n, engine.config.vocab_size, size, spec.seed)
+    return task_prompts(spec.data_path, task, n, engine.tokenizer,
+                        spec.long_prompt_tokens if length == "long" else 0)
+
+
+def make_cells(spec: BenchSpec, engine: Engine) -> list[Cell]:
+    return [Cell(t, temp, length, b, cell_prompts(spec, engine, t, length, b))
+            for t in spec.tasks for temp in spec.temperatures for length in spec.prompt_lengths for b in spec.batches]
 
 
 def systems_for(spec: BenchSpec, batch: int) -> list[str]:
@@ -80,52 +107,57 @@ def systems_for(spec: BenchSpec, batch: int) -> list[str]:
     return names
 
 
-def run_matrix(spec: BenchSpec, log=print) -> dict:
-    import transformers
-
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    engine = Engine.from_pretrained(spec.model_path, device=spec.device, max_batch_size=max(spec.batches),
-                                    gamma_max=max(spec.gammas))
-    hf = None
-    if spec.transformers:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=engine.dtype,
-                                                               trust_remote_code=False).to(engine.device).eval()
-    tok = engine.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (engine.config.eos_token_ids or (0,))[0]
-    roofline = measure_roofline(engine)
-    engine.ensure_profile()
-    cells = [Cell(t, temp, length, b, task_prompts(spec, tok, t, length, b))
-             for t in spec.tasks for temp in spec.temperatures for length in spec.prompt_lengths for b in spec.batches]
+def warm_up(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
+    """One untimed call per cell and system kind; returns auto's acceptance prior per cell, as
+    earlier shards of the task give it (from at least 8 rows)."""
     priors = {}
-    for cell in cells:      # warm-up; auto's acceptance prior, as earlier shards of the task give
-        params = _params(spec, cell)
-        engine.max_batch_size = cell.batch
-        warm = cell.prompts if cell.batch >= 8 else task_prompts(spec, tok, cell.task, cell.prompt_length, 8)
-        engine.generate(warm, params, gamma=engine.auto_policy())
-        priors[cell.key()] = engine.last_stats.counts()
-        if hf is not None:
-            run_transformers(hf, cell.prompts[:1], _params(spec, cell, new=4), pad, engine.config.eos_token_ids)
+    for cell in cells:
+        sut.engine.max_batch_size = cell.batch
+        warm = cell.prompts if cell.batch >= 8 else cell_prompts(spec, sut.engine, cell.task, cell.prompt_length, 8)
+        sut.engine.generate(warm, _params(spec, cell), gamma=sut.engine.auto_policy())
+        priors[cell.key()] = sut.engine.last_stats.counts()
+        if sut.hf is not None:
+            run_transformers(sut.hf, cell.prompts[:1], _params(spec, cell, new=4), sut.pad_id, sut.eos_ids)
+    return priors
+
+
+def measure(spec: BenchSpec, sut: Systems, cell: Cell, name: str, prior) -> Measurement:
+    """One timed call of system `name` on the cell's prompts."""
+    params = _params(spec, cell)
+    if name == "transformers":
+        return run_transformers(sut.hf, cell.prompts, params, sut.pad_id, sut.eos_ids)
+    if name == "prompt_lookup":
+        return run_transformers(sut.hf, cell.prompts, params, sut.pad_id, sut.eos_ids,
+                                lookup=spec.prompt_lookup_tokens)
+    gamma = sut.engine.auto_policy(prior=prior) if name == "auto" else int(name.split("=")[1])
+    return run_engine(sut.engine, cell.prompts, params, gamma, sut.roofline)
+
+
+def time_cells(spec: BenchSpec, sut: Systems, cells: list[Cell], priors: dict, log=print) -> None:
+    """`spec.reps` interleaved repetitions of every system in every cell, into `cell.results`."""
     for rep in range(spec.reps):
         for cell in cells:
-            params = _params(spec, cell)
-            engine.max_batch_size = cell.batch
-            for name in systems_for(spec, cell.batch):
-                if name == "transformers":
-                    m = run_transformers(hf, cell.prompts, params, pad, engine.config.eos_token_ids)
-                elif name == "prompt_lookup":
-                    m = run_transformers(hf, cell.prompts, params, pad, engine.config.eos_token_ids,
-                                         lookup=spec.prompt_lookup_tokens)
-                else:
-                    gamma = engine.auto_policy(prior=priors[cell.key()]) if name == "auto" else int(name.split("=")[1])
-                    m = run_engine(engine, cell.prompts, params, gamma, roofline)
+            sut.engine.max_batch_size = cell.batch
+            for name in run_order(systems_for(spec, cell.batch), rep):
+                m = measure(spec, sut, cell, name, priors[cell.key()])
                 cell.results.setdefault(name, []).append(m)
             log(f"rep {rep + 1}/{spec.reps} {cell.key()} done")
-    return {"engine": engine, "roofline": roofline, "cells": [summarize_cell(c) for c in cells]}
+
+
+def run_matrix(spec: BenchSpec, log=print) -> dict:
+    """Measure the whole matrix: {"engine", "roofline", "cells": [summarize_cell(...)]}."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    sut = load_systems(spec)
+    cells = make_cells(spec, sut.engine)
+    priors = warm_up(spec, sut, cells)
+    time_cells(spec, sut, cells, priors, log)
+    return {"engine": sut.engine, "roofline": sut.roofline, "cells": [summarize_cell(c) for c in cells]}
 
 
 def _params(spec: BenchSpec, cell: Cell, new: int | None = None) -> SamplingParams:
-    return SamplingParams(max_new_tokens=new or spec.max_new_tokens, temperature=cell.temperature, seed=spec.seed)
+    return SamplingParams(max_new_tokens=new or spec.max_new_tokens, temperature=cell.temperature, seed=spec.seed,
+                          ignore_eos=spec.ignore_eos)
 
 
 def summarize_cell(cell: Cell) -> dict:
@@ -154,3 +186,11 @@ def device_description(engine) -> str:
         return torch.cuda.get_device_name(engine.device)
     import platform
     return f"CPU {platform.machine()} ({torch.get_num_threads()} torch threads)"
+
+
+def machine_info(spec: BenchSpec, result: dict) -> dict:
+    """The report's header: device, measured ceilings, model, what each cell generated."""
+    engine, roof = result["engine"], result["roofline"]
+    return {"device": device_description(engine), "dtype": str(engine.dtype).replace("torch.", ""),
+            "flops": roof.flops, "bandwidth": roof.bandwidth, "params": roof.params,
+            "model": Path(spec.model_path).name, "max_new_tokens": spec.max_new_tokens, "reps": spec.reps}

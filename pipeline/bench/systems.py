@@ -70,7 +70,8 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device):
 @torch.inference_mode()
 def run_transformers(model, prompts: list[list[int]], params, pad_id: int, eos_ids, lookup: int = 0) -> Measurement:
     """transformers generate(), batched with left padding; `lookup` > 0: prompt-lookup decoding
-    (transformers' draft-free speculation, batch 1 only)."""
+    (transformers' draft-free speculation, batch 1 only). With `params.ignore_eos`, pass no
+    `eos_ids`: tokens are then counted up to max_new_tokens."""
     from transformers import StoppingCriteriaList
 
     device = next(model.parameters()).device
@@ -88,6 +89,8 @@ def run_transformers(model, prompts: list[list[int]], params, pad_id: int, eos_i
     model.generate(ids, max_new_tokens=1, **kwargs)
     _sync(device)
     prefill = time.perf_counter() - t0
+    if params.ignore_eos:           # every row generates max_new_tokens, as the engine's do
+        kwargs["min_new_tokens"] = params.max_new_tokens
     clock = _StepClock()
     torch.manual_seed(params.seed)
     t0 = time.perf_counter()
