@@ -12,9 +12,12 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cluster.data_stage import ADDED_COLUMNS, DraftView, narrowed, with_draft
+from pipeline.cluster.data_stage import ADDED_COLUMNS, DraftView, generate_table, narrowed, with_draft
+from pipeline.cluster.metrics import metric_points
 from pipeline.cluster.stage_stats import StageStats
-from pipeline.config import UserError
+from pipeline.config import DataConfig, SamplingConfig, UserError
+from pipeline.engine import RequestOutput
+from pipeline.spec_decode.stats import SpecStats, StepRecord
 
 ray = pytest.importorskip("ray")
 
@@ -77,7 +80,7 @@ def test_parquet_through_processor_matches_pipeline(assets, ray_local, tmp_path)
     processor = build_processor(assets["model"], prompt_column="prompt",
                                 sampling=dict(max_new_tokens=6), gamma="auto", concurrency=2,
                                 num_gpus=0, batch_size=3, max_batch_size=4)
-    processor(ray.data.read_parquet(assets["data"])).write_parquet(str(tmp_path / "out"))
+    processor(ray.data.read_parquet(assets["data"], override_num_blocks=2)).write_parquet(str(tmp_path / "out"))
     out = pads.dataset(str(tmp_path / "out"), format="parquet").to_table()
 
     assert sorted(out["id"].to_pylist()) == [f"r-{i:02d}" for i in range(N)]   # each id once
@@ -85,7 +88,7 @@ def test_parquet_through_processor_matches_pipeline(assets, ray_local, tmp_path)
     rows = {r["id"]: r for r in out.to_pylist()}
     for i, why in BAD.items():
         r = rows[f"r-{i:02d}"]
-        assert why in r["error"] and r["finish_reason"] == "error" and r["generated_text"] is None
+        assert why in r["error"] and r["finish_reason"] == "error" and not r["generated_text"]
     good = [r for r in rows.values() if r["error"] is None]
     assert len(good) == N - len(BAD)
     assert all(r["finish_reason"] in ("stop", "length") and r["num_generated_tokens"] > 0 for r in good)
@@ -226,3 +229,47 @@ def test_stage_stats_add_up():
     assert s["acceptance_by_depth"] == [0.5, 0.5]
     assert s["mean_acceptance_length"] == 1.5 and s["tokens_per_s"] == 10 / 4.0
     assert s["verify_time_s"] == 6.0 and s["num_drafted_tokens"] == 4
+
+
+class EchoEngine:
+    """Upper-cases each prompt; a call holding a BOOM prompt raises; each call accepts one of
+    two drafts per row in one verify step."""
+
+    def __init__(self):
+        self.calls = []
+        self.last_stats = SpecStats()
+
+    def generate(self, prompts, params, gamma="auto", row_keys=None):
+        self.calls.append(list(prompts))
+        if any("BOOM" in p for p in prompts):
+            raise RuntimeError("boom")
+        self.last_stats = SpecStats()
+        self.last_stats.observe_acceptance(2, [1] * len(prompts))
+        self.last_stats.observe_step(StepRecord(2, len(prompts), 3, 5.0, 5, 0.01, 0.01, 2 * len(prompts)))
+        return [RequestOutput(text=p.upper(), token_ids=[5, 6], finish_reason="length",
+                              num_prompt_tokens=len(p), num_drafted_tokens=2, num_accepted_tokens=1)
+                for p in prompts]
+
+
+def test_a_batch_as_the_pipeline_handles_a_shard():
+    """Template and null rows as in pipeline.data.prompts, one call per task, a failing row
+    narrowed out, the policy's evidence carried across batches, stats rows the metrics read."""
+    engine, priors, stats = EchoEngine(), {}, StageStats()
+    data = DataConfig(path="<ray.data>", prompt_column=None, template="Q: {text}", task_column="task")
+    table = pa.table({"text": ["a", None, "b BOOM", "c", "d"], "task": ["x", "x", "y", "y", "x"]})
+    info = {"device": "cpu", "threads": 1}
+    results, rows = generate_table(engine, table, data, SamplingConfig(max_new_tokens=2), 2, info,
+                                   priors, stats, keys=[0, 1, 2, 3, 4])
+    assert [r["generated_text"] for r in results] == ["Q: A", None, None, "Q: C", "Q: D"]
+    assert "null" in results[1]["error"] and "RuntimeError: boom" in results[2]["error"]
+    assert engine.calls == [["Q: a", "Q: d"], ["Q: b BOOM", "Q: c"], ["Q: b BOOM"], ["Q: c"]]
+    assert {r["task"]: (r["num_rows"], r["num_errors"]) for r in rows} == {"x": (3, 1), "y": (2, 1)}
+    assert priors["x"].row_steps == 2 and priors["y"].row_steps == 1
+    generate_table(engine, table.slice(0, 1), data, SamplingConfig(max_new_tokens=2), 2, info,
+                   priors, stats, keys=[0])
+    assert priors["x"].row_steps == 3                    # evidence kept across batches
+    assert stats.summary()["acceptance_by_depth"] == [1.0, 0.0]
+    points = {(name, tuple(sorted(tags.items()))): value for name, value, tags in metric_points(rows)}
+    assert points[("specbatch_rows", (("task", "x"),))] == 3
+    assert points[("specbatch_row_errors", (("task", "y"),))] == 1
+    assert points[("specbatch_gamma", (("task", "x"),))] == 2
