@@ -80,7 +80,7 @@ def test_parquet_through_processor_matches_pipeline(assets, ray_local, tmp_path)
     processor = build_processor(assets["model"], prompt_column="prompt",
                                 sampling=dict(max_new_tokens=6), gamma="auto", concurrency=2,
                                 num_gpus=0, batch_size=3, max_batch_size=4)
-    processor(ray.data.read_parquet(assets["data"], override_num_blocks=2)).write_parquet(str(tmp_path / "out"))
+    processor(ray.data.read_parquet(assets["data"]).repartition(2)).write_parquet(str(tmp_path / "out"))
     out = pads.dataset(str(tmp_path / "out"), format="parquet").to_table()
 
     assert sorted(out["id"].to_pylist()) == [f"r-{i:02d}" for i in range(N)]   # each id once

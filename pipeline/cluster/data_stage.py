@@ -78,10 +78,12 @@ def generate_table(engine: Any, table: pa.Table, data: DataConfig, sampling: Sam
                    keys: Sequence[int] | None = None) -> tuple[list[dict], list[dict]]:
     """(one result per row of `table`, one stats row per task), as process_shard does for a
     shard. `priors` (task -> acceptance counters) carries the policy's evidence across calls;
-    `keys`: each row's random-stream key (pipeline.cluster.worker.row_key)."""
-    from pipeline.cluster.worker import generate_group, group_by_task
+    `keys`: each row's random-stream key; None keys each row by its prompt's text
+    (pipeline.cluster.worker.row_key), the same in any batch or retry."""
+    from pipeline.cluster.worker import generate_group, group_by_task, row_key
 
     prompts, errors = build_prompts(table, data)
+    keys = list(keys) if keys is not None else [row_key(p) for p in prompts]
     results: list[dict | None] = [None] * table.num_rows
     stats_rows = []
     for task, rows in group_by_task(row_tasks(table, data)).items():
@@ -94,7 +96,7 @@ def generate_table(engine: Any, table: pa.Table, data: DataConfig, sampling: Sam
             nonlocal measured
             t0 = time.perf_counter()
             outs, measured, counts = generate_group(
-                engine, [prompts[i] for i in idx], [keys[i] for i in idx] if keys else list(idx),
+                engine, [prompts[i] for i in idx], [keys[i] for i in idx],
                 sampling, gamma, info, priors.get(task))
             if stats is not None:
                 stats.observe_call(engine.last_stats, time.perf_counter() - t0)
@@ -150,11 +152,9 @@ class GenerateStage:
         from pipeline.cluster.worker import row_key
 
         check_columns(batch.schema, self.data, ())
-        keys = None
+        keys = None       # as in a run with data.id_column, else by the prompt's text
         if self.data.id_column:
             keys = [row_key(v) for v in batch[self.data.id_column].to_pylist()]
-        else:      # the prompt's text keys its random stream: the same in any batch or retry
-            keys = [row_key(p) for p in build_prompts(batch, self.data)[0]]
         results, stats_rows = generate_table(self.engine, batch, self.data, self.sampling,
                                              self.gamma, self.info, self.priors, self.stats, keys)
         self.stats.observe_rows(results)
