@@ -116,9 +116,6 @@ def generate_table(engine: Any, table: pa.Table, data: DataConfig, sampling: Sam
 
 def append_outputs(table: pa.Table, results: list[dict]) -> pa.Table:
     """The input table with ADDED_COLUMNS appended (types as in the pipeline's output files)."""
-    clash = [c for c in ADDED_COLUMNS if c in table.column_names]
-    if clash:
-        raise UserError(f"the dataset already has output column(s) {clash}; rename or drop them")
     ids = pa.array(range(table.num_rows), type=pa.int64())
     out = output_table(ids, [None] * table.num_rows, results)
     for name in ADDED_COLUMNS:
@@ -152,6 +149,9 @@ class GenerateStage:
         from pipeline.cluster.worker import row_key
 
         check_columns(batch.schema, self.data, ())
+        clash = [c for c in ADDED_COLUMNS if c in batch.column_names]
+        if clash:
+            raise UserError(f"the dataset already has output column(s) {clash}; rename or drop them")
         keys = None       # as in a run with data.id_column, else by the prompt's text
         if self.data.id_column:
             keys = [row_key(v) for v in batch[self.data.id_column].to_pylist()]
