@@ -8,7 +8,7 @@ from pipeline.spec_decode.stats import StepRecord
 
 
 def step(rows=4, gamma=2, verify=0.06, draft=0.02, emitted=5, ctx=10.0):
-    return StepRecord(gamma, rows, gamma + 1, ctx, int(ctx), verify, draft, emitted)
+    return StepRecord(gamma, rows, gamma + 1, ctx, verify, draft, emitted)
 
 
 def test_worked_example():

@@ -284,7 +284,6 @@ class _Run:
         num_acc, emitted = self._accept(drafts, draft_probs, logits, keys, positions)
         acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
         t2 = time.perf_counter()
-        max_ctx = int(lengths.max())
         if s.drafter is not None:
             s.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
                                               hidden, emitted, num_acc + 1))
@@ -300,7 +299,7 @@ class _Run:
         self.stats.observe_acceptance(gamma, acc_list)
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
-        step = StepRecord(gamma, n, gamma + 1, ctx, max_ctx, t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
+        step = StepRecord(gamma, n, gamma + 1, ctx, t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
         self.stats.observe_step(step)
         self.e.costs.record(step, refine=self.refine)
 
