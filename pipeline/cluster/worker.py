@@ -22,8 +22,8 @@ from pipeline.data.plan import Shard
 from pipeline.data.prompts import build_prompts, needed_columns, row_ids, row_tasks
 from pipeline.data.read import read_shard
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, SamplingParams
-from pipeline.cluster.step_samples import (cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model,
-                                        verify_coefficients)
+from pipeline.cluster.step_samples import (cost_model_json, cost_samples, predicted_gamma0_tokens_per_s,
+                                           shard_cost_model)
 from pipeline.cluster.utilization import UtilizationMeter
 
 
@@ -157,7 +157,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),
         "utilization": meter.value, "num_generated_tokens": generated,
         "cost_samples": cost_samples(stats.steps),      # for the dashboard's cost-model plot
-        "cost_model_verify": verify_coefficients(model),
+        "cost_model": cost_model_json(model),
         "predicted_goodput_gamma0": predicted_gamma0_tokens_per_s(stats.steps, model, generated, wall),
     }
     counts = stats.counts() if hasattr(stats, "counts") else None
