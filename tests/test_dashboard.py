@@ -219,13 +219,16 @@ def test_grafana_dashboard_queries_the_exported_metrics():
     assert {n[len("ray_"):].removesuffix("_total") for n in used} == set(METRICS)   # all shown
 
 
-def test_driver_hook_never_fails_the_run(runs, tmp_path, capsys):
-    from pipeline.cluster.driver import write_dashboard
+def test_recipe_dashboard_hook_never_fails_the_run(runs, tmp_path, capsys):
+    from pipeline.recipes import write_dashboard
 
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("x")
-    write_dashboard(not_a_dir)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{")
+    write_dashboard(broken)
     assert "could not write the dashboard" in capsys.readouterr().err
+    write_dashboard(tmp_path / "never-opened")           # no run there (e.g. a config error): nothing
+    assert not (tmp_path / "never-opened").exists() and capsys.readouterr().err == ""
     (runs["one"] / "report.html").unlink(missing_ok=True)
     write_dashboard(runs["one"])
     assert (runs["one"] / "report.html").is_file()
@@ -241,3 +244,9 @@ def test_run_directory_given_as_a_uri(runs, tmp_path):
     written = write_report(run_dir.as_uri())
     assert Path(written) == run_dir / "report.html" and 'id="problem-shards"' in Path(written).read_text()
     assert len(load_run(run_dir.as_uri()).rows) == len(load_run(run_dir).rows) == 4
+
+
+def test_the_cluster_layer_never_imports_the_dashboard():
+    """The dashboard is the layer above the driver: the `generate` recipe calls both."""
+    cluster = Path(__file__).resolve().parents[1] / "pipeline" / "cluster"
+    assert not [p.name for p in cluster.glob("*.py") if "pipeline.dashboard" in p.read_text()]

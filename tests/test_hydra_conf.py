@@ -66,7 +66,7 @@ def test_without_job_prints_the_job_list():
 
 
 def test_recipe_names_resolve_by_registry_path_or_convention():
-    assert target_of("generate") == "pipeline.cluster.driver:main"
+    assert target_of("generate") == "pipeline.recipes:generate"
     assert target_of("pkg.mod:fn") == "pkg.mod:fn"
     assert target_of("build_demo") == "jobs.build_demo:main"
 
