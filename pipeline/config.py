@@ -63,7 +63,8 @@ class DataConfig:
     limit: int | None = None                 # only the first N (kept) rows
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.path, str) and self.path != "", "data.path must be a non-empty path")
+        _check(isinstance(self.path, str) and self.path != "",
+               "data.path is required: a Parquet file, a directory of them, or a glob")
         _check(self.template is not None or bool(self.prompt_column),
                "set data.prompt_column or data.template")
         if self.template is not None:

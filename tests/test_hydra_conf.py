@@ -24,9 +24,12 @@ def test_there_are_jobs():
     assert "summarize" in JOBS
 
 
+REQUIRED = {"generate": ["data.path=questions.parquet", "data.prompt_column=question"]}  # what the job requires
+
+
 @pytest.mark.parametrize("name", JOBS)
 def test_job_composes(name):
-    cfg = compose_job(name)
+    cfg = compose_job(name, REQUIRED.get(name, ()))
     assert cfg.job.name == name
     assert cfg.job.recipe, f"conf/job/{name}.yaml must set job.recipe"
     assert callable(resolve(cfg.job.recipe))   # the recipe exists and imports
