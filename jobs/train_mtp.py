@@ -2,4 +2,4 @@
 
     python -m pipeline.run +job=train_mtp [model.path=DIR mtp.steps=300 mtp.prompt_source=data ...]
 """
-from pipeline.demo.train_mtp import main  # noqa: F401
+from pipeline.training.train_mtp import main  # noqa: F401

@@ -1,9 +1,10 @@
 """Validated run configuration: frozen dataclasses built from the Hydra config.
 
-The YAML in `conf/` is the source of the values; these dataclasses are the contract the
-library code reads. Each section checks its own ranges in `__post_init__` and raises
-`ConfigError` with the key's full name, so a bad override fails before any work starts.
-No I/O happens here (paths are checked by the code that opens them).
+These dataclasses hold every key's default and are the Hydra schema (pipeline.run registers
+them with Hydra's ConfigStore), so `conf/config.yaml` and the jobs set only what differs.
+Each section checks its own ranges in `__post_init__` and raises `ConfigError` with the key's
+full name, so a bad override fails before any work starts. The `sampling` section is the
+engine's own `SamplingParams`. No I/O happens here (paths are checked by the code that opens them).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from pipeline.engine.params import DEFAULT_GAMMA_MAX, SamplingParams
 
 
 class ConfigError(ValueError):
@@ -33,10 +36,11 @@ def _is_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = ""                 # HF checkpoint directory
-    device: str = "auto"           # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"            # auto | float32 | bfloat16 | float16
-    allow_pickle: bool = False     # load *.bin/*.pt weights when there are no safetensors
+    path: str = ""                 # HF checkpoint directory (config.json + safetensors)
+    device: str = "auto"           # auto (cuda where present, else cpu) | cpu | cuda | cuda:N
+    dtype: str = "auto"            # auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16
+    allow_pickle: bool = False     # load *.bin/*.pt weights (weights_only) when there are no
+                                   # safetensors; pickle can run code: only checkpoints you trust
 
     def __post_init__(self) -> None:
         _check(isinstance(self.path, str) and self.path != "", "model.path must be a non-empty path")
@@ -51,15 +55,16 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""                           # Parquet file, directory or glob
-    prompt_column: str | None = "prompt"     # used when template is null
-    template: str | None = None              # e.g. "Summarize:\n{text}\nSummary:"
-    id_column: str | None = None             # else id = row position in the dataset
-    task_column: str | None = None           # per-task acceptance tracking
-    tasks: tuple[str, ...] | None = None     # keep only rows whose task is listed
+    prompt_column: str | None = "prompt"     # column holding the prompt text (used when template is null)
+    template: str | None = None              # format string over the row's columns, e.g. "Summarize:\n{text}\nSummary:"
+    id_column: str | None = None             # null: id = the row's position in the dataset
+    task_column: str | None = None           # column naming each row's task (acceptance per task); null: one task
+    tasks: tuple[str, ...] | None = None     # keep only rows whose task is listed (needs task_column)
     limit: int | None = None                 # only the first N (kept) rows
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.path, str) and self.path != "", "data.path must be a non-empty path")
+        _check(isinstance(self.path, str) and self.path != "",
+               "data.path is required: a Parquet file, a directory of them, or a glob")
         _check(self.template is not None or bool(self.prompt_column),
                "set data.prompt_column or data.template")
         if self.template is not None:
@@ -75,7 +80,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    dir: str = ""                            # run directory
+    dir: str = ""                            # run directory: a path or a URI (s3://, gs://, file://)
     keep_columns: tuple[str, ...] = ()       # input columns copied to the outputs
 
     def __post_init__(self) -> None:
@@ -87,8 +92,8 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    gamma: int | str = "auto"     # 'auto' or an int >= 0 (0 = no speculation)
-    gamma_max: int = 5            # caps 'auto'
+    gamma: int | str = "auto"     # drafts per verify step: 'auto' (chosen per shard) or an int >= 0 (0 = none)
+    gamma_max: int = DEFAULT_GAMMA_MAX   # caps 'auto'
 
     def __post_init__(self) -> None:
         _check(_is_int(self.gamma_max) and self.gamma_max >= 0,
@@ -98,35 +103,12 @@ class SpecConfig:
                    f"spec.gamma must be 'auto' or an int >= 0, got {self.gamma!r}")
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    truncate_prompt: bool = False  # over-long prompts keep their last tokens (else an error row)
-
-    def __post_init__(self) -> None:
-        _check(isinstance(self.truncate_prompt, bool),
-               f"sampling.truncate_prompt must be true or false, got {self.truncate_prompt!r}")
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0,
-               f"sampling.max_new_tokens must be an int > 0, got {self.max_new_tokens!r}")
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               f"sampling.temperature must be >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-               f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0,
-               f"sampling.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        _check(_is_int(self.seed), f"sampling.seed must be an int, got {self.seed!r}")
-        object.__setattr__(self, "stop", tuple(str(s) for s in self.stop))
-        _check(all(self.stop), "sampling.stop must not contain empty strings")
+SamplingConfig = SamplingParams   # the section's former name, kept for code not yet using SamplingParams
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch_size: int = 32
+    max_batch_size: int = 32      # rows decoded together by one actor (continuous batching)
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_batch_size) and self.max_batch_size > 0,
@@ -135,8 +117,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ShardsConfig:
-    rows_per_shard: int = 256
-    max_attempts: int = 3         # tries per shard before its rows are written as errors
+    rows_per_shard: int = 256     # rows per shard; one shard = one output file
+    max_attempts: int = 3         # tries per shard (actor failures) before its rows are written as errors
 
     def __post_init__(self) -> None:
         _check(_is_int(self.rows_per_shard) and self.rows_per_shard > 0,
@@ -148,9 +130,9 @@ class ShardsConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     address: str | None = None    # null: start Ray in-process; 'auto' or an address: join
-    num_actors: int = 1
-    gpus_per_actor: float = 1
-    cpus_per_actor: int = 1
+    num_actors: int = 1           # actors in the pool; each loads the model once
+    gpus_per_actor: float = 1     # GPUs per actor where CUDA is present
+    cpus_per_actor: int = 2       # CPUs per actor without GPUs (torch threads are set to match)
 
     def __post_init__(self) -> None:
         _check(self.address is None or (isinstance(self.address, str) and self.address != ""),
@@ -175,12 +157,12 @@ class RunConfig:
     data: DataConfig
     output: OutputConfig
     spec: SpecConfig = field(default_factory=SpecConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     engine: EngineConfig = field(default_factory=EngineConfig)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     job: JobConfig = field(default_factory=JobConfig)
-    resume: bool = False          # skip the shards already committed under output.dir
+    resume: bool = False          # skip the shards already committed under output.dir (same config)
     overwrite: bool = False       # delete what a previous run left in output.dir and start over
 
     def __post_init__(self) -> None:
@@ -201,7 +183,7 @@ class RunConfig:
         for f in dataclasses.fields(cls):
             if f.name in _FLAGS:
                 continue
-            section_cls = _SECTIONS[f.name]
+            section_cls = SECTIONS[f.name]
             values = dict(raw.get(f.name) or {})
             known = {sf.name for sf in dataclasses.fields(section_cls)}
             unknown = sorted(set(values) - known)
@@ -212,6 +194,10 @@ class RunConfig:
                     values[key] = tuple(value)
             try:
                 sections[f.name] = section_cls(**values)
+            except ConfigError:
+                raise
+            except ValueError as exc:  # SamplingParams' own check: its message starts with the field
+                raise ConfigError(f"{f.name}.{exc}") from exc
             except TypeError as exc:  # wrong value kind that dataclass itself rejects
                 raise ConfigError(f"{f.name}: {exc}") from exc
         return cls(**{k: raw.get(k, False) for k in _FLAGS}, **sections)
@@ -262,12 +248,12 @@ def _show(value: Any) -> str:
 
 
 _FLAGS = ("resume", "overwrite")        # top-level run flags; not sections
-_ADDED_LATER = (("sampling", "truncate_prompt", False),)
+_ADDED_LATER = (("sampling", "truncate_prompt", False), ("sampling", "ignore_eos", False))
 
 
-_SECTIONS = {
+SECTIONS = {                            # section name -> its dataclass (also the Hydra schema)
     "model": ModelConfig, "data": DataConfig, "output": OutputConfig, "spec": SpecConfig,
-    "sampling": SamplingConfig, "engine": EngineConfig, "shards": ShardsConfig,
+    "sampling": SamplingParams, "engine": EngineConfig, "shards": ShardsConfig,
     "cluster": ClusterConfig, "job": JobConfig,
 }
 

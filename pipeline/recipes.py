@@ -2,7 +2,7 @@
 
 A recipe is a function `fn(cfg: DictConfig) -> int | None` (the resolved Hydra config; a
 non-zero return is the exit status). `job.recipe` names one of:
-- a registered name below (`generate`);
+- a registered name below (`generate`: the driver runs the shards, then the dashboard is drawn);
 - `module:function`, imported on use;
 - `NAME`, meaning `jobs/NAME.py`'s `main` when no registered name matches.
 Targets are imported lazily so listing or validating jobs never loads torch or Ray.
@@ -20,8 +20,36 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 
 RECIPES: dict[str, str] = {
-    "generate": "pipeline.cluster.driver:main",   # Ray actor pool over Parquet shards
+    "generate": "pipeline.recipes:generate",   # Ray actor pool over Parquet shards, then report.html
 }
+
+
+def generate(cfg: Any) -> int:
+    """Recipe `generate`: run the shards (pipeline.cluster.driver), then write RUN_DIR/report.html
+    (pipeline.dashboard) for a run that got as far as its manifest, however it ended."""
+    from omegaconf import OmegaConf
+
+    from pipeline.cluster.driver import main as run_shards
+
+    run_dir = OmegaConf.select(cfg, "output.dir")
+    try:
+        return run_shards(cfg)
+    finally:
+        write_dashboard(run_dir)
+
+
+def write_dashboard(run_dir: Any) -> None:
+    """RUN_DIR/report.html where RUN_DIR holds a run (a manifest); a failure is reported as a
+    warning and never fails the run."""
+    try:
+        from pipeline.dashboard import write_report
+        from pipeline.data.manifest import read_manifest
+
+        if read_manifest(run_dir) is not None:
+            write_report(run_dir)
+    except Exception as exc:
+        print(f"warning: could not write the dashboard report.html in {run_dir}: {exc}",
+              file=sys.stderr)
 
 
 def target_of(recipe: str) -> str:

@@ -1,19 +1,22 @@
 """Hydra entry: `python -m pipeline.run +job=NAME [key=value ...]`.
 
-`+job=NAME` merges `conf/job/NAME.yaml` over `conf/config.yaml`; `job.recipe` names what runs
-(see pipeline/recipes.py). The run directory is `output.dir`; Hydra keeps its own files in
+`+job=NAME` merges `conf/job/NAME.yaml` over `conf/config.yaml`, which merges over the schema
+built from pipeline/config.py's dataclasses (`register_schema`: every key, its type and its
+default); `job.recipe` names what runs (see pipeline/recipes.py). The run directory is `output.dir`; Hydra keeps its own files in
 `output.dir/.hydra` and never changes the working directory. Without `+job` this prints the
 available jobs.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import ConfigError, UserError
+from pipeline.config import SECTIONS, ConfigError, RunConfig, UserError
 from pipeline.data.storage import hydra_dir
 from pipeline.recipes import list_jobs, resolve
 
@@ -29,6 +32,29 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("asset", lambda rel: str(PACKAGE_DIR / "assets" / rel))
     if not OmegaConf.has_resolver("hydra_dir"):
         OmegaConf.register_new_resolver("hydra_dir", hydra_dir)
+
+
+def schema() -> dict:
+    """The Hydra schema of RunConfig: one typed node per section, from its dataclass (with its
+    defaults), and the top-level flags. Nodes are left writable (a frozen dataclass would make
+    them read-only, and a job could not override them) and the root is a plain dict, so a job
+    may add sections of its own (`bench:`, `mtp:`)."""
+    nodes: dict = {}
+    for f in dataclasses.fields(RunConfig):
+        section = SECTIONS.get(f.name)
+        if section is None:                       # a top-level flag: resume, overwrite
+            nodes[f.name] = f.default
+            continue
+        node = OmegaConf.structured(section)
+        OmegaConf.set_readonly(node, False)
+        nodes[f.name] = node
+    return nodes
+
+
+def register_schema() -> None:
+    """Register `schema()` as the config `run_schema`, the first entry of conf/config.yaml's
+    defaults list."""
+    ConfigStore.instance().store(name="run_schema", node=schema())
 
 
 def usage() -> str:
@@ -61,6 +87,7 @@ def run_recipe(cfg: DictConfig) -> int:
 
 
 register_resolvers()
+register_schema()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from pipeline.config import SamplingConfig
+from pipeline.engine.params import SamplingParams
 from pipeline.recipes import CONF_DIR
 from pipeline.run import register_resolvers, run_recipe
 from tests.tiny_models import tiny_checkpoint
@@ -117,7 +117,7 @@ def test_null_empty_and_long_prompts_are_error_rows_beside_good_rows(model, tmp_
     shard = plan_shards(source, 8)[0]
     engine = load_engine(ModelConfig(path=model, device="cpu"), EngineConfig(max_batch_size=2))
     task = ShardTask(shard, 1, source.files, source.file_rows, DataConfig(path="x"), (),
-                     SamplingConfig(max_new_tokens=4, truncate_prompt=truncate), gamma=1)
+                     SamplingParams(max_new_tokens=4, truncate_prompt=truncate), gamma=1)
     table = process_shard(engine, task, {"device": "cpu", "threads": 1}).table
     assert table["id"].to_pylist() == [0, 1, 2, 3, 4]
     rows = table.to_pylist()
@@ -150,8 +150,8 @@ def test_a_shard_whose_rows_cannot_be_read_is_a_message_naming_the_file(tmp_path
     path.write_bytes(bytes(data))
     shards = plan_shards(source, 100)
     task = ShardTask(shards[1], 1, source.files, source.file_rows, DataConfig(path="x"), (),
-                     SamplingConfig(), gamma=0)
+                     SamplingParams(), gamma=0)
     with pytest.raises(UserError, match=r"cannot read rows \[100, 200\).*d\.parquet"):
         read_task_rows(task)
     assert read_task_rows(ShardTask(shards[0], 1, source.files, source.file_rows,
-                                    DataConfig(path="x"), (), SamplingConfig(), gamma=0)).num_rows == 100
+                                    DataConfig(path="x"), (), SamplingParams(), gamma=0)).num_rows == 100

@@ -6,7 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import OUTPUT_COLUMNS, DataConfig, SamplingConfig
+from pipeline.config import OUTPUT_COLUMNS, DataConfig
+from pipeline.engine.params import SamplingParams
 from pipeline.data import open_source, plan_shards
 from pipeline.cluster.utilization import UtilizationMeter, cpu_share
 from pipeline.cluster.worker import ShardTask, failed_shard_result, gamma_in_use, process_shard, row_key
@@ -58,7 +59,7 @@ def task_factory(tmp_path):
     def make(shard_index=0, gamma=3, rows_per_shard=8):
         shard = plan_shards(source, rows_per_shard)[shard_index]
         return ShardTask(shard, 1, source.files, source.file_rows, data, ("ref",),
-                         SamplingConfig(max_new_tokens=8), gamma)
+                         SamplingParams(max_new_tokens=8), gamma)
     return make
 
 def test_shard_rows_come_back_in_order_with_errors_kept(task_factory):
@@ -161,7 +162,7 @@ def test_auto_gamma_on_a_real_engine_calibrates_once_per_task(tmp_path):
     stats = []
     for shard in shards:
         task = ShardTask(shard, 1, source.files, source.file_rows, data, (),
-                         SamplingConfig(max_new_tokens=48), "auto", gamma_max=4)
+                         SamplingParams(max_new_tokens=48), "auto", gamma_max=4)
         stats.append(process_shard(engine, task, {"device": "cpu"}, priors).stats_rows[0])
     first, second = stats
     assert "calibration steps" in first["gamma_reason"]

@@ -8,7 +8,7 @@ from pipeline.spec_decode.stats import StepRecord
 
 
 def step(rows=4, gamma=2, verify=0.06, draft=0.02, emitted=5, ctx=10.0):
-    return StepRecord(gamma, rows, gamma + 1, ctx, int(ctx), verify, draft, emitted)
+    return StepRecord(gamma, rows, gamma + 1, ctx, verify, draft, emitted)
 
 
 def test_worked_example():
@@ -44,3 +44,39 @@ def test_shard_model_falls_back_to_a_fit_over_the_steps():
     steps = [step(rows=r, verify=0.01 + 0.002 * r * 3) for r in (1, 2, 4, 8) for _ in range(3)]
     model = shard_cost_model(object(), steps)
     assert model is not None and model.verify_s(8, 3, 10.0) == pytest.approx(0.058, rel=0.05)
+
+
+MULTI = CostModel((0.004, 0.0005, 0.0002, 1e-6), 24.0, (0.001, 0.0002, 0.0005, 0.0001), 40,
+                  multi_token_s=0.003, draft_ctx_s=1e-7, overhead_coef=(0.0004, 0.00001))
+
+
+def test_cost_model_round_trips_through_a_stats_row():
+    """The worker writes CostModel.to_dict (as JSON) and the dashboard rebuilds it with from_dict:
+    every term survives, the multi-token one included."""
+    import json
+
+    from pipeline.cluster.step_samples import cost_model_json
+
+    back = CostModel.from_dict(json.loads(cost_model_json(MULTI)))
+    assert back == MULTI
+    for rows, gamma, ctx in [(1, 0, 10.0), (4, 2, 100.0), (32, 5, 300.0)]:
+        assert back.modelled_step_s(rows, gamma, ctx) == MULTI.modelled_step_s(rows, gamma, ctx)
+    assert cost_model_json(None) is None
+
+
+def test_dashboard_line_is_the_models_own_verify_time():
+    """The dashboard's "policy's model" line is the model the policy prices with: at the samples'
+    tokens per row (q = 3) it carries the multi-token term."""
+    import json
+
+    from pipeline.cluster.step_samples import cost_model_json
+    from pipeline.dashboard.timeline import cost_figure
+
+    samples = [[rows, 3, 100.0, MULTI.verify_s(rows, 3, 100.0), 0.001] for rows in (1, 2, 4, 8)]
+    row = {"device": "cpu", "finished_at": 1.0, "cost_samples": samples, "cost_model": cost_model_json(MULTI)}
+    line = next(t for t in cost_figure([row]).data if t.name.startswith("policy's model (cpu)"))
+    for n, y in zip(line.x, line.y):
+        assert y == pytest.approx(MULTI.verify_s(n / 3, 3, 100.0) * 1e3)
+        assert y == pytest.approx((MULTI.compute_s(n / 3, 2, 100.0) - MULTI.draft_s(n / 3, 2, 100.0)) * 1e3)
+    no_m = CostModel.from_dict(MULTI.to_dict() | {"multi_token_s": 0.0})
+    assert line.y[0] == pytest.approx((no_m.verify_s(line.x[0] / 3, 3, 100.0) + 0.003) * 1e3)

@@ -143,7 +143,7 @@ def test_base_training_resumes_from_its_checkpoint(tmp_path):
 def test_mtp_prompts_follow_task_shares_and_the_split():
     from dataclasses import replace
 
-    from pipeline.demo.train_mtp import _prompts
+    from pipeline.demo.mtp_prompts import _prompts
     base = record(0)
     recs = [replace(base, qualname=f"Box.scale{i}", heldout=i % 5 == 0) for i in range(100)]
     train = _prompts(recs, False, 40, seed=0, shares={"summarize": 0.5, "complete": 0.3, "json": 0.2})

@@ -19,7 +19,7 @@ def records(scale=1.0, seed=0):
         for gamma in range(4):
             for ctx in (64, 256):
                 f = scale * (1 + rng.uniform(-0.05, 0.05))
-                out.append(StepRecord(gamma, rows, gamma + 1, ctx, ctx, TRUTH.verify_s(rows, gamma + 1, ctx) * f,
+                out.append(StepRecord(gamma, rows, gamma + 1, ctx, TRUTH.verify_s(rows, gamma + 1, ctx) * f,
                                       TRUTH.draft_s(rows, gamma) * f, 0))
     return out
 
@@ -135,13 +135,13 @@ def test_profile_times_the_engines_own_drafting(tmp_path, monkeypatch):
 
 def test_local_correction_is_kept_per_context_and_outlives_the_fit_window():
     truth = CostModel((1e-3, 1e-5, 0.0, 1e-8), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, multi_token_s=2e-4)
-    profile = [StepRecord(g, r, g + 1, c, c, truth.verify_s(r, g + 1, c), truth.draft_s(r, g), 0)
+    profile = [StepRecord(g, r, g + 1, c, truth.verify_s(r, g + 1, c), truth.draft_s(r, g), 0)
                for r in (1, 4, 16) for g in range(3) for c in (50, 400)]
     tracker = CostTracker(fit_steps=8)
     tracker.set_profile(profile)
     tracker.model()
-    short = [StepRecord(1, 1, 2, 50, 50, 1e-3, 1e-3, 2, 0.0) for _ in range(MIN_LOCAL)]        # 2 ms at 50 tokens
-    long = [StepRecord(1, 1, 2, 400, 400, 4e-3, 2e-3, 2, 0.0) for _ in range(MIN_LOCAL)]       # 6 ms at 400
+    short = [StepRecord(1, 1, 2, 50, 1e-3, 1e-3, 2, 0.0) for _ in range(MIN_LOCAL)]        # 2 ms at 50 tokens
+    long = [StepRecord(1, 1, 2, 400, 4e-3, 2e-3, 2, 0.0) for _ in range(MIN_LOCAL)]       # 6 ms at 400
     for s in short + long:
         tracker.record(s)
     model = tracker.model()
@@ -150,7 +150,7 @@ def test_local_correction_is_kept_per_context_and_outlives_the_fit_window():
     assert model.local_factor(1, 1, 50) != model.local_factor(1, 1, 400)
     # many steps elsewhere push the one-row steps out of the fit window, not out of the correction
     for _ in range(40):
-        tracker.record(StepRecord(0, 16, 1, 50, 50, 2e-3, 0.0, 16, 0.0))
+        tracker.record(StepRecord(0, 16, 1, 50, 2e-3, 0.0, 16, 0.0))
     tracker._new_work_s = float("inf")                                       # make the refit due now
     refit = tracker.model()
     assert refit is not model and refit.step_s(1, 1, 400) == pytest.approx(6e-3, rel=1e-6)

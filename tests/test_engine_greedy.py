@@ -132,3 +132,13 @@ def test_auto_policy_sees_rows_near_their_budget_and_each_row_when_few(root):
     far = [i for i, (_, apart) in enumerate(seen) for left, _, _ in apart if left == 4]   # gamma_max + 1: not near
     typical = [i for i, (_, apart) in enumerate(seen) if not apart]
     assert far and typical and min(far) > max(typical)   # apart while far from its budget: only the last row
+
+
+@pytest.mark.parametrize("gamma", [0, 2])
+def test_last_policy_decisions_exist_after_a_fixed_gamma(root, gamma):
+    """README: `engine.last_policy.decisions` explains each step; a fixed gamma decides nothing."""
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2)
+    engine.generate(random_prompts([4, 6], 128, seed=1), SamplingParams(max_new_tokens=4), gamma=gamma)
+    assert list(engine.last_policy.decisions) == []
+    assert engine.last_policy.max_gamma() == gamma

@@ -24,9 +24,12 @@ def test_there_are_jobs():
     assert "summarize" in JOBS
 
 
+REQUIRED = {"generate": ["data.path=questions.parquet", "data.prompt_column=question"]}  # what the job requires
+
+
 @pytest.mark.parametrize("name", JOBS)
 def test_job_composes(name):
-    cfg = compose_job(name)
+    cfg = compose_job(name, REQUIRED.get(name, ()))
     assert cfg.job.name == name
     assert cfg.job.recipe, f"conf/job/{name}.yaml must set job.recipe"
     assert callable(resolve(cfg.job.recipe))   # the recipe exists and imports
@@ -66,6 +69,34 @@ def test_without_job_prints_the_job_list():
 
 
 def test_recipe_names_resolve_by_registry_path_or_convention():
-    assert target_of("generate") == "pipeline.cluster.driver:main"
+    assert target_of("generate") == "pipeline.recipes:generate"
     assert target_of("pkg.mod:fn") == "pkg.mod:fn"
     assert target_of("build_demo") == "jobs.build_demo:main"
+
+
+def test_yaml_defaults_are_the_dataclass_defaults():
+    """The schema comes from pipeline/config.py: conf/config.yaml sets only the paths, so every
+    other key's value is its dataclass default (they cannot drift apart)."""
+    import dataclasses
+
+    from pipeline.config import SECTIONS
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        raw = OmegaConf.to_container(compose(config_name="config"), resolve=True)
+    set_by_yaml = {"model.path", "data.path", "output.dir"}
+    for name, section in SECTIONS.items():
+        for f in dataclasses.fields(section):
+            key = f"{name}.{f.name}"
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            if key not in set_by_yaml:
+                assert raw[name][f.name] == (list(default) if isinstance(default, tuple) else default), key
+    assert raw["cluster"]["cpus_per_actor"] == 2 and raw["resume"] is False
+    assert RunConfig.from_dict(raw).sampling.max_new_tokens == 64
+
+
+def test_a_job_overrides_schema_keys_and_adds_its_own_sections():
+    cfg = compose_job("bench_quick", ["spec.gamma_max=7"])
+    assert cfg.spec.gamma_max == 7 and list(cfg.bench.batches) == [1, 8]
+    with pytest.raises(Exception, match="gama"):
+        compose_job("summarize", ["spec.gama=3"])         # a typo in a schema section is an error

@@ -68,7 +68,7 @@ def test_fit_recovers_a_hinge_cost():
         for gamma in range(GMAX + 1):
             for ctx in (64, 512):
                 noise = 1 + rng.uniform(-0.02, 0.02)
-                steps.append(StepRecord(gamma, rows, gamma + 1, ctx, ctx, truth.verify_s(rows, gamma + 1, ctx) * noise,
+                steps.append(StepRecord(gamma, rows, gamma + 1, ctx, truth.verify_s(rows, gamma + 1, ctx) * noise,
                                         truth.draft_s(rows, gamma) * noise, 0))
     fit = fit_cost_model(steps)
     for rows in (1, 8, 48):
@@ -78,7 +78,7 @@ def test_fit_recovers_a_hinge_cost():
 
 def test_fit_recovers_a_draft_cost_that_grows_with_context():
     truth = replace(model(a=5e-3, b=2e-6, c=1e-9, draft=(1e-3, 2e-6, 5e-4, 3e-6)), draft_ctx_s=2e-8)
-    steps = [StepRecord(g, r, g + 1, ctx, ctx, truth.verify_s(r, g + 1, ctx), truth.draft_s(r, g, ctx), 0)
+    steps = [StepRecord(g, r, g + 1, ctx, truth.verify_s(r, g + 1, ctx), truth.draft_s(r, g, ctx), 0)
              for r in (1, 4, 16, 48) for g in range(GMAX + 1) for ctx in (64, 256)]
     fit = fit_cost_model(steps)
     for rows, gamma, ctx in ((1, 1, 100), (9, 1, 150), (48, 5, 400)):
@@ -88,7 +88,7 @@ def test_fit_recovers_a_draft_cost_that_grows_with_context():
 
 
 def test_fit_needs_several_shapes():
-    assert fit_cost_model([StepRecord(0, 1, 1, 10, 10, 1e-3, 0, 1)]) is None
+    assert fit_cost_model([StepRecord(0, 1, 1, 10, 1e-3, 0, 1)]) is None
 
 
 def test_estimate_acceptance_prior_and_chaining():
@@ -114,12 +114,12 @@ def test_policy_calibrates_unseen_task_then_decides():
 
 def test_fit_finds_the_multi_token_step_and_trusts_real_steps_over_the_profile():
     truth = CostModel((3e-3, 1e-5, 0.0, 0.0), 1.0, (1e-3, 1e-5, 1e-3, 1e-5), 0, multi_token_s=1.2e-3)
-    steps = [StepRecord(g, r, g + 1, 100, 100, truth.verify_s(r, g + 1, 100), truth.draft_s(r, g), 1)
+    steps = [StepRecord(g, r, g + 1, 100, truth.verify_s(r, g + 1, 100), truth.draft_s(r, g), 1)
              for r in (1, 4, 16) for g in range(4)]
     fit = fit_cost_model(steps)
     assert fit.verify_s(1, 2, 100) - fit.verify_s(1, 1, 100) == pytest.approx(1.2e-3 + 1e-5, rel=0.05)
     # a profile that says drafting is half as costly as the steps the engine really ran
-    profile = [StepRecord(g, r, g + 1, 100, 100, truth.verify_s(r, g + 1, 100), truth.draft_s(r, g) / 2, 0)
+    profile = [StepRecord(g, r, g + 1, 100, truth.verify_s(r, g + 1, 100), truth.draft_s(r, g) / 2, 0)
                for r in (1, 4, 16) for g in range(1, 4) for _ in range(3)]
     real = [s for s in steps if s.rows == 1 and s.gamma == 2] * 3
     mixed = fit_cost_model(real, profile=profile)
@@ -128,7 +128,7 @@ def test_fit_finds_the_multi_token_step_and_trusts_real_steps_over_the_profile()
 
 def test_fit_recovers_the_per_step_overhead_and_the_policy_pays_it_once_per_step():
     truth = CostModel((1e-3, 1e-5, 0.0, 0.0), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, overhead_coef=(2e-3, 5e-5))
-    steps = [StepRecord(g, r, g + 1, 50, 50, truth.verify_s(r, g + 1, 50), truth.draft_s(r, g), 1,
+    steps = [StepRecord(g, r, g + 1, 50, truth.verify_s(r, g + 1, 50), truth.draft_s(r, g), 1,
                         truth.overhead_s(r)) for r in (1, 4, 16, 32) for g in range(4)]
     fit = fit_cost_model(steps)
     assert fit.overhead_coef == pytest.approx((2e-3, 5e-5), rel=0.05)
@@ -165,12 +165,12 @@ def test_policy_reuses_a_decision_only_while_rows_model_and_context_stay():
 def test_real_steps_correct_the_model_locally_and_flip_a_mispriced_choice():
     # the smooth model says plain decoding at one row costs 3 ms; the engine measures 1.5 ms there
     truth = CostModel((1e-3, 1e-5, 0.0, 0.0), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, multi_token_s=2e-4)
-    profile = [StepRecord(g, r, g + 1, 50, 50, truth.verify_s(r, g + 1, 50), truth.draft_s(r, g), 0)
+    profile = [StepRecord(g, r, g + 1, 50, truth.verify_s(r, g + 1, 50), truth.draft_s(r, g), 0)
                for r in (1, 2, 4, 8, 16, 32) for g in range(4) for _ in range(2)]
     acc = [0.8] * 3
     assert choose_gamma(fit_cost_model([], profile=profile), acc, 1, 50, 3).gamma > 0
-    fast_plain = [StepRecord(0, 1, 1, 50, 50, 0.5e-3, 0.0, 1, 1e-3) for _ in range(6)]
-    slow_spec = [StepRecord(3, 1, 4, 50, 50, 4e-3, 1e-3, 2, 1e-3) for _ in range(6)]
+    fast_plain = [StepRecord(0, 1, 1, 50, 0.5e-3, 0.0, 1, 1e-3) for _ in range(6)]
+    slow_spec = [StepRecord(3, 1, 4, 50, 4e-3, 1e-3, 2, 1e-3) for _ in range(6)]
     fit = fit_cost_model(fast_plain + slow_spec, profile=profile)
     assert fit.step_s(1, 0, 50) == pytest.approx(1.5e-3, rel=1e-6)          # priced as measured
     assert fit.step_s(1, 3, 50) == pytest.approx(6e-3, rel=1e-6)
@@ -205,7 +205,7 @@ def test_plain_decoding_is_measured_at_a_shape_before_speculating_there():
     for i in range(MIN_LOCAL):
         assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0
         assert policy.decisions[-1].measuring and f"({i}/{MIN_LOCAL} steps)" in policy.decisions[-1].reason
-        local.add(StepRecord(0, 2, 1, 100, 100, ROOFLINE.modelled_step_s(2, 0, 100), 0.0, 2), measured)
+        local.add(StepRecord(0, 2, 1, 100, ROOFLINE.modelled_step_s(2, 0, 100), 0.0, 2), measured)
     assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == want.gamma
     # another context octave is another shape; a constructed model without local steps never waits
     assert policy.choose(StepContext(rows=2, context_len=400, stats=SpecStats())) == 0
@@ -244,7 +244,7 @@ def test_a_row_apart_is_priced_with_its_own_first_draft_hit_rate():
 
 def _timed_steps(local, model, gamma, ms, n, rows=1, ctx=100):
     for _ in range(n):
-        local.add(StepRecord(gamma, rows, gamma + 1, ctx, ctx, ms * 1e-3, 0.0, rows), model)
+        local.add(StepRecord(gamma, rows, gamma + 1, ctx, ms * 1e-3, 0.0, rows), model)
 
 
 def _spell_setup():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.demo.mtp_math import depth_weights, mtp_loss, teacher_forced_acceptance, unrolled_head_logits
-from pipeline.demo.train_mtp import MTPTrainSpec, collate, evaluate_heads, train_mtp_heads
+from pipeline.training.mtp_math import depth_weights, mtp_loss, teacher_forced_acceptance, unrolled_head_logits
+from pipeline.training.train_mtp import MTPTrainSpec, collate, evaluate_heads, train_mtp_heads
 from pipeline.model.loader import load_model
 from pipeline.model.mtp import MTPHead, save_mtp_heads
 from pipeline.model.tiny import make_tiny_checkpoint
@@ -98,7 +98,7 @@ def test_train_mtp_recipe_writes_heads_into_checkpoint(tmp_path):
     import pyarrow.parquet as pq
     from omegaconf import OmegaConf
 
-    from pipeline.demo.train_mtp import main
+    from pipeline.training.train_mtp import main
     path = make_tiny_checkpoint(tmp_path / "ckpt", num_mtp_layers=0, seed=1)
     pq.write_table(pa.table({"text": [f"def add{i}(a, b):" for i in range(12)]}), str(tmp_path / "p.parquet"))
     cfg = OmegaConf.create({

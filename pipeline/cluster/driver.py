@@ -1,7 +1,8 @@
-"""The `generate` recipe: plan shards, run them on a Ray actor pool, commit as they finish.
+"""The driver: plan shards, run them on a Ray actor pool, commit as they finish.
 
-`main(cfg)` is the entry (it starts Ray when `cluster.address` is null and stops it at the
-end); `run_generation(cfg, resolved)` is the library function and expects Ray to be running.
+`main(cfg)` is what the `generate` recipe (pipeline/recipes.py) runs before it writes the
+dashboard (it starts Ray when `cluster.address` is null and stops it at the end);
+`run_generation(cfg, resolved)` is the library function and expects Ray to be running.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def start_ray(cluster: ClusterConfig) -> bool:
 
 
 def main(cfg: DictConfig) -> int:
-    """Recipe entry (`job.recipe: generate`)."""
+    """Run the job's shards (the `generate` recipe's first half); the exit status."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
     run_cfg = RunConfig.from_dict(resolved)
@@ -117,7 +118,6 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     pending = record.pending()
     if not pending:
         record.save("finished")
-        write_dashboard(record.run_dir)
         return record.manifest
     use_gpus = _use_gpus(cfg)
     options = actor_options(use_gpus, cfg.cluster.gpus_per_actor, cfg.cluster.cpus_per_actor)
@@ -141,20 +141,7 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
         bar.close()
         pool.shutdown()
         record.save(status)
-        write_dashboard(record.run_dir)
     return record.manifest
-
-
-def write_dashboard(run_dir: Path | str) -> None:
-    """RUN_DIR/report.html at the end of every run. The dashboard is the one layer above this
-    one, so it is imported here lazily; a failure is reported and never fails the run."""
-    try:
-        from pipeline.dashboard import write_report
-
-        write_report(run_dir)
-    except Exception as exc:
-        print(f"warning: could not write the dashboard report.html in {run_dir}: {exc}",
-              file=sys.stderr)
 
 
 def _task(cfg: RunConfig, record: RunRecord, t: Try) -> ShardTask:

@@ -1,6 +1,6 @@
 """Compact cost-model evidence for a shard's stats row, so the dashboard can draw the fit.
 
-`verify_coefficients` is the fitted verify-cost model the shard ran with, [a, b, h, c, knee].
+`cost_model_json` is the fitted cost model the shard ran with (`CostModel.to_dict`, as JSON).
 `cost_samples` keeps at most `cap` of a generate call's verify steps, evenly spaced, as
 [rows, query_len, context_len, verify_s, draft_s] (query_len = gamma + 1).
 
@@ -24,6 +24,7 @@ scaled 0.036 s. The same 100 tokens need 20 * 5 / 4 = 25 steps = 0.9 s, so the p
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 from pipeline.spec_decode.cost import CostModel, fit_cost_model
@@ -62,9 +63,9 @@ def shard_cost_model(engine: Any, steps: Sequence[Any]) -> CostModel | None:
     return model
 
 
-def verify_coefficients(model: CostModel | None) -> list[float] | None:
-    """[a, b, h, c, knee] of the model's verify_s = a + b N + h max(0, N - knee) + c N ctx."""
-    return None if model is None else [*map(float, model.verify_coef), float(model.knee)]
+def cost_model_json(model: CostModel | None) -> str | None:
+    """The model as JSON of `CostModel.to_dict()` (the dashboard rebuilds it with `from_dict`)."""
+    return None if model is None else json.dumps(model.to_dict())
 
 
 def predicted_gamma0_tokens_per_s(steps: Sequence[Any], model: CostModel | None,

@@ -15,14 +15,15 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from pipeline.config import DataConfig, SamplingConfig, UserError
+from pipeline.config import DataConfig, UserError
 from pipeline.data.commit import commit_part
 from pipeline.data.outputs import error_results, output_table
 from pipeline.data.plan import Shard
 from pipeline.data.prompts import build_prompts, needed_columns, row_ids, row_tasks
 from pipeline.data.read import read_shard
-from pipeline.cluster.step_samples import (cost_samples, predicted_gamma0_tokens_per_s, shard_cost_model,
-                                        verify_coefficients)
+from pipeline.engine.params import DEFAULT_GAMMA_MAX, SamplingParams
+from pipeline.cluster.step_samples import (cost_model_json, cost_samples, predicted_gamma0_tokens_per_s,
+                                           shard_cost_model)
 from pipeline.cluster.utilization import UtilizationMeter
 
 
@@ -34,9 +35,9 @@ class ShardTask:
     file_rows: tuple[int, ...]
     data: DataConfig
     keep_columns: tuple[str, ...]
-    sampling: SamplingConfig
+    sampling: SamplingParams
     gamma: int | str                  # spec.gamma: 'auto' or an int >= 0
-    gamma_max: int = 5                # spec.gamma_max: caps 'auto'
+    gamma_max: int = DEFAULT_GAMMA_MAX   # spec.gamma_max: caps 'auto'
     output_dir: str | None = None     # run directory (path or URI) the actor commits to; None: return rows
     probe: tuple[int, int] | None = None   # only rows [lo, hi) of the shard, output discarded (narrow.py)
     bad_rows: tuple[tuple[int, str], ...] = ()   # (row of the shard, error): written, not generated
@@ -128,24 +129,19 @@ def _finite(x: float) -> float | None:
     return None if x != x else x
 
 
-def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: SamplingConfig,
+def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: SamplingParams,
                    gamma: int | str, info: dict, prior: Any = None) -> tuple[list[dict], dict, Any]:
     """One generate call; per-row results, the measured part of the stats row, and the call's
     acceptance counters (the prior for this task's next shard on this actor).
 
     With gamma 'auto' the engine's measured policy chooses every step, seeded with `prior`;
     a task this actor has not seen starts with a calibration window at gamma_max."""
-    from pipeline.engine import SamplingParams
-
-    params = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                            top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
-                            stop=tuple(sampling.stop), truncate_prompt=sampling.truncate_prompt)
     policy = gamma
     if gamma == "auto" and getattr(engine, "num_mtp_heads", 0) and hasattr(engine, "auto_policy"):
         policy = engine.auto_policy(prior=prior)
     wall0 = time.perf_counter()
     with UtilizationMeter(info.get("device", "cpu"), int(info.get("threads", 1))) as meter:
-        outs = engine.generate(prompts, params, gamma=policy, row_keys=keys)
+        outs = engine.generate(prompts, sampling, gamma=policy, row_keys=keys)
     wall = time.perf_counter() - wall0
     if hasattr(engine, "note_utilization"):
         engine.note_utilization(meter.value)       # a large change re-profiles before the next shard
@@ -161,7 +157,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),
         "utilization": meter.value, "num_generated_tokens": generated,
         "cost_samples": cost_samples(stats.steps),      # for the dashboard's cost-model plot
-        "cost_model_verify": verify_coefficients(model),
+        "cost_model": cost_model_json(model),
         "predicted_goodput_gamma0": predicted_gamma0_tokens_per_s(stats.steps, model, generated, wall),
     }
     counts = stats.counts() if hasattr(stats, "counts") else None

@@ -3,10 +3,11 @@ utilisation over time, and shard commits per actor over time.
 
 Times are seconds since the first task group started (stats rows' started_at/finished_at, unix
 seconds). The cost fit is `pipeline.spec_decode.cost.fit_cost_model` over every shard's samples, the
-same fit the gamma policy uses, drawn at the median context length.
+same fit the gamma policy uses, drawn at the samples' median context length and tokens per row.
 """
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from types import SimpleNamespace
@@ -41,28 +42,32 @@ def samples_by_device(rows: Rows) -> dict[str, list[SimpleNamespace]]:
     return out
 
 
-def _model_line(fig: go.Figure, name: str, model: Any, ctx: float, top: int, color: str,
+def verify_line_ms(model: Any, grid: list[int], q: int, ctx: float) -> list[float]:
+    """The model's own verify time (ms) at N = rows x q tokens for each N of `grid`, q tokens
+    per row: at q > 1 it includes the multi-token term, as the policy prices a verify."""
+    return [model.verify_s(n / q, q, ctx) * 1e3 for n in grid]
+
+
+def _model_line(fig: go.Figure, name: str, model: Any, ctx: float, top: int, q: int, color: str,
                 dash: str) -> None:
     grid = sorted({1 + round(j * (top - 1) / 60) for j in range(61)} | {int(model.knee)})
     a, b, h, c = model.verify_coef
+    m = model.multi_token_s if q > 1 else 0.0
     fig.add_trace(go.Scatter(
-        name=name, x=grid, y=[model.verify_s(n, 1, ctx) * 1e3 for n in grid], mode="lines",
+        name=name, x=grid, y=verify_line_ms(model, grid, q, ctx), mode="lines",
         line=dict(color=color, width=2, dash=dash),
-        hovertemplate=(f"{a * 1e3:.3g} ms + {b * 1e3:.3g} ms·N + {h * 1e3:.3g} ms·max(0, N-{model.knee:g})"
+        hovertemplate=(f"{(a + m) * 1e3:.3g} ms + {b * 1e3:.3g} ms·N + {h * 1e3:.3g} ms·max(0, N-{model.knee:g})"
                        f" + {c * 1e3:.3g} ms·N·ctx<br>N=%{{x}}: %{{y:.2f}} ms<extra></extra>")))
 
 
 def policy_model(rows: Rows, device: str) -> Any:
-    """The verify model the device's latest shard ran with (its stats row's cost_model_verify)."""
+    """The cost model the device's latest shard ran with (its stats row's cost_model)."""
     from pipeline.spec_decode.cost import CostModel
 
-    mine = [r for r in rows if str(r.get("device") or "?") == device and r.get("cost_model_verify")]
+    mine = [r for r in rows if str(r.get("device") or "?") == device and r.get("cost_model")]
     if not mine:
         return None
-    coef = max(mine, key=lambda r: r.get("finished_at") or 0)["cost_model_verify"]
-    if len(coef) != 5 or any(x is None for x in coef):
-        return None
-    return CostModel(tuple(coef[:4]), coef[4], (0.0,) * 4, 0)
+    return CostModel.from_dict(json.loads(max(mine, key=lambda r: r.get("finished_at") or 0)["cost_model"]))
 
 
 def cost_figure(rows: Rows) -> go.Figure | None:
@@ -84,13 +89,15 @@ def cost_figure(rows: Rows) -> go.Figure | None:
             hovertemplate="%{customdata[0]} rows x %{customdata[1]} tokens, ctx %{customdata[2]}"
                           "<br>verify %{y:.2f} ms<extra></extra>"))
         ctx = statistics.median(s.context_len for s in samples)
+        q = round(statistics.median(s.query_len for s in samples))     # tokens per row drawn
         top = max(s.rows * s.query_len for s in samples)
         used = policy_model(rows, device)
         if used is not None:
-            _model_line(fig, f"policy's model ({device}) at ctx {ctx:.0f}", used, ctx, top, color, "dash")
+            _model_line(fig, f"policy's model ({device}) at ctx {ctx:.0f}, {q} tokens/row", used, ctx, top, q,
+                        color, "dash")
         fitted = fit_cost_model(samples)
         if fitted is not None:
-            _model_line(fig, f"fit over these samples ({device})", fitted, ctx, top, color, "solid")
+            _model_line(fig, f"fit over these samples ({device})", fitted, ctx, top, q, color, "solid")
     times = [s.verify_s for ss in by_device.values() for s in ss if s.verify_s > 0]
     if times and max(times) > 20 * min(times):     # spans orders of magnitude, as the fit assumes
         fig.update_yaxes(type="log", dtick=1)       # ticks at powers of ten only

@@ -34,11 +34,6 @@ def part_name(shard_id: int) -> str:
     return f"part-{shard_id:05d}.parquet"
 
 
-def part_path(run_dir: Where, shard_id: int) -> Path | str:
-    store = open_store(run_dir)
-    return store.show(store.path(OUTPUTS, part_name(shard_id)))
-
-
 def atomic_write_bytes(path: str | Path, data: bytes, fs: pafs.FileSystem | None = None) -> None:
     write_bytes_atomic(*locate(path, fs), data)
 

@@ -60,11 +60,10 @@ def totals(stats_rows: Sequence[dict], session_tokens: int = 0,
 
 
 def shard_entries(plan: Sequence[Shard], committed: dict[int, Path | str],
-                  attempts: dict[int, int], failed: set[int]) -> list[dict]:
+                  attempts: dict[int, int]) -> list[dict]:
     entries = []
     for shard in plan:
-        status = ("failed" if shard.shard_id in failed else
-                  "committed" if shard.shard_id in committed else "pending")
+        status = "committed" if shard.shard_id in committed else "pending"
         entry = shard.to_dict() | {"status": status, "attempts": attempts.get(shard.shard_id, 0)}
         if shard.shard_id in committed:
             entry["file"] = f"outputs/{PurePosixPath(str(committed[shard.shard_id])).name}"

@@ -39,7 +39,7 @@ STATS_SCHEMA = pa.schema([
     ("finished_at", pa.float64()),                  # unix seconds when it ended
     ("predicted_goodput_gamma0", pa.float64()),     # cost model's tokens/s at gamma 0
     ("cost_samples", pa.list_(pa.list_(pa.float64()))),  # <= 64 x [rows, q, ctx, verify_s, draft_s]
-    ("cost_model_verify", pa.list_(pa.float64())),  # the verify model used: [a, b, h, c, knee]
+    ("cost_model", pa.string()),                    # the cost model used: JSON of CostModel.to_dict()
 ])
 
 

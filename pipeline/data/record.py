@@ -39,7 +39,6 @@ class RunRecord:
     committed: dict[int, Path | str] = field(default_factory=dict)
     stats_rows: list[dict] = field(default_factory=list)
     attempts: dict[int, int] = field(default_factory=dict)
-    failed: set[int] = field(default_factory=set)
     session_tokens: int = 0
     session_start: float = field(default_factory=time.perf_counter)
     store: Store | None = None   # run_dir opened on its filesystem
@@ -87,7 +86,6 @@ class RunRecord:
         self.committed[shard.shard_id] = path
         self.stats_rows.extend(stats_rows)
         self.session_tokens += sum(r.get("num_generated_tokens") or 0 for r in stats_rows)
-        self.failed.discard(shard.shard_id)
         write_stats(self.store, self.stats_rows)
         self.save("running")
 
@@ -100,7 +98,7 @@ class RunRecord:
     def save(self, status: str) -> None:
         self.manifest["status"] = status
         self.manifest["totals"] = self.totals()
-        self.manifest["shards"] = shard_entries(self.plan, self.committed, self.attempts, self.failed)
+        self.manifest["shards"] = shard_entries(self.plan, self.committed, self.attempts)
         write_manifest(self.store, self.manifest)
 
 

@@ -85,7 +85,8 @@ def build(spec: BuildSpec, log=print) -> dict:
         times["sft"] = time.time() - t
     trained_dir = sft_dir if (sft_dir / "config.json").exists() else base_dir
     if "mtp" in spec.stages:
-        from pipeline.demo.train_mtp import MTPTrainSpec, stdlib_prompts, train_mtp_into
+        from pipeline.demo.mtp_prompts import stdlib_prompts
+        from pipeline.training.train_mtp import MTPTrainSpec, train_mtp_into
         t = time.time()
         model_dir = Path(spec.model_dir)
         if model_dir.exists():

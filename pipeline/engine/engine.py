@@ -14,7 +14,7 @@ import torch
 
 from pipeline.engine.costs import CostTracker
 from pipeline.engine.drafter import Drafter, PendingFill
-from pipeline.engine.params import RequestOutput, SamplingParams
+from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingParams
 from pipeline.engine.profile import profile_costs
 from pipeline.engine.rows import Row
 from pipeline.engine.slots import Slots
@@ -49,7 +49,8 @@ def prefill_groups(lengths: list[int], slack: float = PAD_SLACK) -> list[list[in
 
 
 class Engine:
-    def __init__(self, loaded, tokenizer=None, max_batch_size: int = 32, gamma_max: int = 5):
+    def __init__(self, loaded, tokenizer=None, max_batch_size: int = 32,
+                 gamma_max: int = DEFAULT_GAMMA_MAX):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if gamma_max < 0:
@@ -69,7 +70,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
-                        gamma_max: int = 5, allow_pickle: bool = False) -> "Engine":
+                        gamma_max: int = DEFAULT_GAMMA_MAX, allow_pickle: bool = False) -> "Engine":
         """allow_pickle: load *.bin/*.pt weights when there are no safetensors (off: refused)."""
         dev = resolve_device(device)
         loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev), fuse=True,
@@ -283,7 +284,6 @@ class _Run:
         num_acc, emitted = self._accept(drafts, draft_probs, logits, keys, positions)
         acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
         t2 = time.perf_counter()
-        max_ctx = int(lengths.max())
         if s.drafter is not None:
             s.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
                                               hidden, emitted, num_acc + 1))
@@ -299,7 +299,7 @@ class _Run:
         self.stats.observe_acceptance(gamma, acc_list)
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
-        step = StepRecord(gamma, n, gamma + 1, ctx, max_ctx, t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
+        step = StepRecord(gamma, n, gamma + 1, ctx, t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
         self.stats.observe_step(step)
         self.e.costs.record(step, refine=self.refine)
 

@@ -70,7 +70,7 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
                         drafter.propose(rows, positions[:, 0], gamma, lambda logits, _: (logits.argmax(-1), None))
 
                     d = timed(draft)
-                records.append(StepRecord(gamma, rows, q, float(ctx), ctx, v, d, 0))
+                records.append(StepRecord(gamma, rows, q, float(ctx), v, d, 0))
     return records
 
 

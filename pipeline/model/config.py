@@ -17,7 +17,9 @@ class UnsupportedArchitecture(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ArchConfig:
+    """A checkpoint's architecture (sizes, biases, windows, MTP layers); the run's `model.*`
+    keys are pipeline.config.ModelConfig."""
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -38,7 +40,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
+    def from_hf(cls, hf) -> "ArchConfig":
         """Build from a transformers PretrainedConfig; refuses architectures we do not run."""
         archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.cache import Batch, KVCache
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import ArchConfig
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +36,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None):
+    def __init__(self, cfg: ArchConfig, window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = window
@@ -97,7 +97,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -123,7 +123,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None = None):
+    def __init__(self, cfg: ArchConfig, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, window)

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import ArchConfig
 from pipeline.model.mtp import MTPHead
 from pipeline.model.target import TargetModel
 
@@ -21,7 +21,7 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 class LoadedModel:
     target: TargetModel
     heads: nn.ModuleList          # MTP heads, depth 1..K
-    config: ModelConfig
+    config: ArchConfig
     hf_config: object
     path: Path
 
@@ -94,7 +94,7 @@ def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
     hf_config = AutoConfig.from_pretrained(str(root), trust_remote_code=False)
     tensors = read_tensors(root, allow_pickle=allow_pickle)
     tensors = _convert_foreign_mtp_layouts(tensors, hf_config)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = ArchConfig.from_hf(hf_config)
     target_sd, head_sds = split_mtp(tensors, cfg.num_layers)
     if cfg.tie_word_embeddings:
         target_sd.pop("lm_head.weight", None)
@@ -121,7 +121,7 @@ def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
     return LoadedModel(target, heads, cfg, hf_config, root)
 
 
-def _with_mtp_count(cfg: ModelConfig, k: int) -> ModelConfig:
+def _with_mtp_count(cfg: ArchConfig, k: int) -> ArchConfig:
     from dataclasses import replace
     return replace(cfg, num_mtp_layers=k)
 

@@ -21,20 +21,20 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pipeline.model.cache import Batch, KVCache
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import ArchConfig
 from pipeline.model.layers import DecoderLayer, RMSNorm
 from pipeline.model.target import TargetModel
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_head: bool):
+    def __init__(self, cfg: ArchConfig, with_head: bool):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if with_head else None
 
 
 class MTPHead(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, with_head: bool = False, with_embed: bool = False):
+    def __init__(self, cfg: ArchConfig, with_head: bool = False, with_embed: bool = False):
         super().__init__(cfg)
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -50,7 +50,7 @@ class MTPHead(DecoderLayer):
         return self
 
     @classmethod
-    def from_target(cls, target: TargetModel, config: ModelConfig | None = None) -> "MTPHead":
+    def from_target(cls, target: TargetModel, config: ArchConfig | None = None) -> "MTPHead":
         """A fresh head (std 0.02 linears, norms copied from the target's final norm)."""
         cfg = config or target.cfg
         ref = target.model.norm.weight

@@ -7,14 +7,14 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pipeline.model.cache import Batch, KVCache
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import ArchConfig
 from pipeline.model.layers import DecoderLayer, RMSNorm
 
 
 class _Body(nn.Module):
     """Holds the parameters stored under `model.*` in Hugging Face checkpoints."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.sliding_windows)
@@ -22,7 +22,7 @@ class _Body(nn.Module):
 
 
 class TargetModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, hf_config):
+    def __init__(self, cfg: ArchConfig, hf_config):
         super().__init__()
         self.cfg = cfg
         self.model = _Body(cfg)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -82,6 +82,18 @@ class CostModel:
     draft_ctx_s: float = 0.0                           # k
     overhead_coef: tuple[float, float] = (0.0, 0.0)    # o0, o1: per step, per row in the step
     local: "LocalCorrection | None" = field(default=None, compare=False)   # measured / modelled per shape
+
+    def to_dict(self) -> dict:
+        """The smooth model as plain JSON values (tuples as lists). The local correction is
+        left out: it is the engine's measured state, not part of the model's formula."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in fields(self) if f.name != "local"}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        """The inverse of `to_dict` (lists back to tuples); keys it lacks keep their defaults."""
+        return cls(**{f.name: tuple(d[f.name]) if isinstance(d[f.name], list) else d[f.name]
+                      for f in fields(cls) if f.name != "local" and f.name in d})
 
     def verify_s(self, rows: int, q: int, ctx: float) -> float:
         a, b, h, c = self.verify_coef

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection
 from pipeline.spec_decode.stats import SpecStats
@@ -51,6 +51,8 @@ class StepContext:
 
 
 class GammaPolicy(Protocol):
+    decisions: Sequence["Decision"]     # why each step chose its gamma (empty when nothing was decided)
+
     def choose(self, ctx: StepContext) -> int: ...
     def max_gamma(self) -> int: ...
 
@@ -59,6 +61,11 @@ class GammaPolicy(Protocol):
 class FixedGamma:
     gamma: int
     reason: str = "fixed by caller"
+
+    @property
+    def decisions(self) -> tuple["Decision", ...]:
+        """Nothing is decided per step: every step uses `gamma` (`reason` says why)."""
+        return ()
 
     def choose(self, ctx: StepContext) -> int:
         return self.gamma

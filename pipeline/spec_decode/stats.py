@@ -19,7 +19,6 @@ class StepRecord:
     rows: int               # active rows verified together
     query_len: int          # tokens per row in the verify forward (gamma + 1)
     context_len: float      # mean cached tokens per row before the step
-    max_context_len: int
     verify_s: float
     draft_s: float
     emitted: int            # tokens emitted over all rows (accepted + 1 per row)
@@ -100,9 +99,3 @@ class SpecStats:
         """The acceptance counters alone (no step records): a compact prior for later shards."""
         return SpecStats(list(self.reached), list(self.accepted), row_steps=self.row_steps,
                          emitted_tokens=self.emitted_tokens)
-
-    def summary(self) -> dict:
-        return dict(acceptance_by_depth=self.acceptance_by_depth(),
-                    mean_acceptance_length=self.mean_acceptance_length(),
-                    verify_steps=len(self.steps), verify_time_s=self.verify_time_s,
-                    draft_time_s=self.draft_time_s, prefill_time_s=self.prefill_time_s)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.demo.mtp_math import mtp_loss, teacher_forced_acceptance
+from pipeline.training.mtp_math import mtp_loss, teacher_forced_acceptance
 from pipeline.spec_decode.policy import expected_tokens
 
 
@@ -81,24 +81,6 @@ def collate(seqs, gen_weight: float):
         w[i, p - 1: len(s)] = gen_weight        # the last prompt position drafts the first answer
         gen[i, p - 1: len(s)] = True
     return ids, w, gen
-
-
-def _prompts(records, heldout: bool, n: int, seed: int, shares: dict | None = None) -> list[str]:
-    """About n prompts, `shares[task]` of them per task (equal shares by default; the split
-    itself has twice as many json rows as either other task)."""
-    from pipeline.demo.tasks import TASKS, prompt_for, task_pairs
-    shares = shares or {t: 1 / len(TASKS) for t in TASKS}
-    by_task = {t: [] for t in TASKS}
-    for r in records:
-        if r.heldout == heldout:
-            for t, x, _ in task_pairs(r):
-                by_task[t].append(prompt_for(t, x))
-    ps = []
-    for t in TASKS:
-        random.Random(f"{seed}-{t}").shuffle(by_task[t])
-        ps += by_task[t][: round(n * shares.get(t, 0.0) / sum(shares.values()))]
-    random.Random(seed).shuffle(ps)
-    return ps
 
 
 def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir: Path, log=print):
@@ -174,12 +156,6 @@ def evaluate_heads(target, heads, seqs, depths: int, batch_size: int = 16) -> li
     return [r / max(t, 1e-9) for r, t in zip(right, total)]
 
 
-def stdlib_prompts(records, spec: MTPTrainSpec) -> tuple[list[str], list[str]]:
-    """Demo prompts: training-split functions to train on, held-out ones to report on."""
-    return (_prompts(records, False, spec.num_prompts, spec.seed, spec.task_shares),
-            _prompts(records, True, spec.num_eval, spec.seed))
-
-
 def data_prompts(path: str, template: str | None, column: str, spec: MTPTrainSpec):
     """Prompts from a Parquet dataset (`data.path`): the last num_eval rows are held out."""
     import pyarrow.parquet as pq
@@ -232,6 +208,7 @@ def main(cfg) -> int:
     spec = MTPTrainSpec(**opts)
     if source == "stdlib":
         from pipeline.demo.extract import extract_functions
+        from pipeline.demo.mtp_prompts import stdlib_prompts
         train_p, eval_p = stdlib_prompts(extract_functions(), spec)
     elif source == "data":
         train_p, eval_p = data_prompts(str(cfg.data.path), cfg.data.get("template"),
