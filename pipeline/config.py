@@ -89,6 +89,7 @@ class OutputConfig:
 class SpecConfig:
     gamma: int | str = "auto"     # 'auto' or an int >= 0 (0 = no speculation)
     gamma_max: int = 5            # caps 'auto'
+    prior: str | None = None      # a run directory (or a spec_prior.json) whose acceptance starts the plans
 
     def __post_init__(self) -> None:
         _check(_is_int(self.gamma_max) and self.gamma_max >= 0,
@@ -228,6 +229,7 @@ class RunConfig:
             d.pop(key, None)
         d["output"].pop("dir", None)
         d["model"].pop("allow_pickle", None)
+        d["spec"].pop("prior", None)             # evidence to start from: gamma only, never the outputs
         for section, key, default in _ADDED_LATER:
             if d[section].get(key) == default:
                 d[section].pop(key)

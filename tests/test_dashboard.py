@@ -18,7 +18,7 @@ from pipeline.cluster.metrics import METRICS, RunMetrics, metric_points
 from tests.dashboard_runs import FAILURE, make_runs
 
 GRAFANA = Path(__file__).resolve().parents[1] / "infra" / "grafana" / "specbatch.json"
-CHARTS = ("gamma-histogram", "throughput", "gamma", "acceptance", "cost", "utilization", "commits")
+CHARTS = ("gamma-histogram", "throughput", "gamma", "plan", "acceptance", "cost", "utilization", "commits")
 
 
 @pytest.fixture(scope="module")

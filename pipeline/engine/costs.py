@@ -39,6 +39,7 @@ class CostTracker:
         self.baseline_util: float | None = None
         self.stale_reason: str | None = None
         self.profiles_taken = 0
+        self.profile_cached = False      # the current profile came from the on-disk cache (warm_start.py)
         self.fits, self.fit_seconds = 0, 0.0   # how many fits, and their total time (for benchmarks)
         self._model: CostModel | None = None
         self._fit_s = 0.0                 # how long the last fit took

@@ -16,6 +16,7 @@ from pipeline.engine.costs import CostTracker
 from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.engine.params import RequestOutput, SamplingParams
 from pipeline.engine.profile import profile_costs
+from pipeline.engine.warm_start import checkpoint_prior, load_profile, profile_key, save_profile
 from pipeline.engine.rows import Row
 from pipeline.engine.slots import Slots
 from pipeline.model.cache import Batch, KVCache
@@ -66,6 +67,7 @@ class Engine:
         self.costs = CostTracker()            # profile, measured steps, fitted cost model
         self.last_policy: GammaPolicy | None = None   # its .decisions explain each step's gamma
         self._caches: dict[str, KVCache] = {}          # the last call's KV caches, reused where they fit
+        self.spec_prior: SpecStats | None = checkpoint_prior(getattr(loaded, "path", None))   # all tasks pooled
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
@@ -109,19 +111,32 @@ class Engine:
         return self.costs.model()
 
     def ensure_profile(self, context_len: int = 128) -> None:
-        """Profile the accelerator once, and again whenever the tracker finds the model stale."""
+        """Profile the accelerator once (or take the profile cached on disk for this device and
+        checkpoint: pipeline.engine.warm_start), and again whenever the tracker finds it stale."""
         if self.heads and self.costs.needs_profile():
-            self.costs.set_profile(profile_costs(self, self.max_batch_size, self.gamma_max, context_len))
+            key = profile_key(self, context_len)
+            cached = load_profile(key) if self.costs.profiles_taken == 0 else None   # a stale one is measured
+            records = cached or profile_costs(self, self.max_batch_size, self.gamma_max, context_len)
+            if cached is None:
+                save_profile(key, records)
+            self.costs.set_profile(records)
+            self.costs.profile_cached = cached is not None
 
     def note_utilization(self, utilization: float | None) -> None:
         """Utilisation measured over a shard; a large change marks the cost profile stale."""
         self.costs.note_utilization(utilization)
 
-    def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128) -> GoodputPolicy:
+    def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128, planned: int | None = None,
+                    calibrate: bool = True) -> GoodputPolicy:
         """A GoodputPolicy over this engine's cost model. `prior`: acceptance measured on earlier
-        shards of the same task (else the policy calibrates at gamma_max first)."""
+        shards of the same task; where it is short, the checkpoint's spec_prior.json (else the
+        policy calibrates at gamma_max first). `planned`, `calibrate`: the driver's plan."""
         self.ensure_profile(context_len)
-        return GoodputPolicy(self.gamma_max, self.cost_model, prior or SpecStats())
+        policy = GoodputPolicy(self.gamma_max, self.cost_model, prior or SpecStats(), planned=planned,
+                               calibrate=calibrate)
+        if self.spec_prior is not None and (policy.prior.reached or [0])[0] < policy.calibration_rows:
+            policy.prior = policy.prior.merge(self.spec_prior)
+        return policy
 
     # ---- public entry ------------------------------------------------------------------------
     @torch.inference_mode()
