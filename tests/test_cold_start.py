@@ -48,7 +48,7 @@ def test_a_fresh_engine_takes_its_profile_from_the_disk_cache(shipped, monkeypat
     first.ensure_profile()
     assert first.costs.profiles_taken == 1 and not first.costs.profile_cached
 
-    import pipeline.engine.engine as engine_module
+    import pipeline.engine.warm_start as engine_module
     calls = []
     monkeypatch.setattr(engine_module, "profile_costs", lambda *a, **k: calls.append(a) or [])
     second = Engine.from_pretrained(bare, device="cpu", max_batch_size=2, gamma_max=3)

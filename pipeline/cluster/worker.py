@@ -151,7 +151,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
         prior = plan.prior()
     if gamma == "auto" and getattr(engine, "num_mtp_heads", 0) and hasattr(engine, "auto_policy"):
         policy = (engine.auto_policy(prior=prior) if plan is None else
-                  engine.auto_policy(prior=prior, planned=plan.gamma, calibrate=plan.calibrate))
+                  engine.auto_policy(prior=prior, planned=plan.gamma, calibrate=plan.calibrate, rows=len(prompts)))
     wall0 = time.perf_counter()
     with UtilizationMeter(info.get("device", "cpu"), int(info.get("threads", 1))) as meter:
         outs = engine.generate(prompts, params, gamma=policy, row_keys=keys)

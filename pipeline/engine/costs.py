@@ -59,6 +59,12 @@ class CostTracker:
         self.profiles_taken += 1
         self._model = None
 
+    def extend_profile(self, records: list[StepRecord]) -> None:
+        """Profiled shapes added (a batch larger than any profiled before): what was measured
+        stays; the model is refitted with them."""
+        self.profile = self.profile + list(records)
+        self._model = None
+
     def model(self) -> CostModel | None:
         """The fitted model over the profile and the recorded steps. Refitted (the online
         refinement) once `refit_every` refining steps have run and their time is at least the

@@ -2,7 +2,8 @@
 prior (`spec_prior.json`, pipeline.model.spec_prior) and a cost profile cached on disk.
 
 The profile depends on the device, the checkpoint, the dtype, torch's thread count and the
-shapes profiled (max batch size, gamma_max, context), so those key the cache; the checkpoint
+shapes profiled (gamma_max, context), so those key the cache, which holds each batch size's
+records as they are measured (an engine profiles only the batch sizes its calls reach); the checkpoint
 enters as a fingerprint of its config and weight files (names, sizes and their first 64 KiB),
 so a retrained checkpoint in the same directory is profiled again. The cache lives under
 `$SPECBATCH_CACHE/profiles` (default `~/.cache/specbatch/profiles`); a file that cannot be
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.engine.profile import profile_costs, rows_grid
 from pipeline.model.spec_prior import read_spec_prior
 from pipeline.spec_decode.evidence import PRIOR_ROW_STEPS
 from pipeline.spec_decode.plan import scaled_counts
@@ -69,7 +71,7 @@ def profile_key(engine, context_len: int) -> str | None:
     if path is None or not Path(path).is_dir():
         return None
     parts = [device_name(engine.device), str(engine.dtype), str(torch.get_num_threads()),
-             str(engine.max_batch_size), str(engine.gamma_max), str(context_len), checkpoint_fingerprint(path)]
+             str(engine.gamma_max), str(context_len), checkpoint_fingerprint(path)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
@@ -96,3 +98,28 @@ def save_profile(key: str | None, records: list[StepRecord]) -> None:
         os.replace(tmp, folder / f"{key}.json")
     except OSError:
         pass
+
+
+def ensure_profile(engine, context_len: int = 128, rows: int | None = None) -> None:
+    """Give `engine.costs` a profile of every batch size of `rows_grid(rows)` (default: up to
+    max_batch_size): those it lacks are taken from the disk cache, else measured and cached.
+    A stale profile is replaced whole, by measuring (the cache holds what went stale)."""
+    costs = engine.costs
+    stale = costs.needs_profile()
+    have = set() if stale else {r.rows for r in costs.profile}
+    missing = [r for r in rows_grid(min(rows or engine.max_batch_size, engine.max_batch_size)) if r not in have]
+    if not missing:
+        return
+    key = profile_key(engine, context_len)
+    on_disk = load_profile(key) or []
+    cached = [r for r in on_disk if r.rows in missing] if costs.profiles_taken == 0 or not stale else []
+    measure = [r for r in missing if r not in {c.rows for c in cached}]
+    measured = (profile_costs(engine, engine.max_batch_size, engine.gamma_max, context_len, rows_list=measure)
+                if measure else [])
+    if measured:
+        save_profile(key, [r for r in on_disk if r.rows not in measure] + measured)
+    if stale:
+        costs.set_profile(cached + measured)
+    else:
+        costs.extend_profile(cached + measured)
+    costs.profile_cached = not measured
