@@ -29,7 +29,10 @@ the reference): 16 row-steps estimated json's a_1 at 0.53-0.64 (0.78), and 64 ro
 three rows) estimated complete's a_3..a_5 at 0.91/0.94/0.99 (0.79/0.75/0.83), so the policy kept
 gamma 0 for json where gamma 3-5 ran 9-16% faster and speculated for complete where gamma 5 ran
 23% slower; 256 row-steps gave 0.81/0.74/0.88. That is about six steps at batch 48, or a dozen
-rows at batch 1, once per task.
+rows at batch 1, once per task. Once per run, not per actor: the driver's plan
+(pipeline.spec_decode.plan) hands each policy the run's evidence as its prior, and a policy told
+not to calibrate (`calibrate=False`: another shard is calibrating the task) runs the plan's
+gamma (`planned`) until its own evidence suffices.
 
 Plain decoding is measured before speculation at every shape: where the engine's local
 correction (pipeline.spec_decode.cost) holds fewer than MIN_LOCAL plain-decoding steps at this (rows,
