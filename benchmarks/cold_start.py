@@ -2,8 +2,8 @@
 
 Each rep builds a fresh Engine (load time not counted) and times its first call with
 gamma="auto" on the same handful of prompts at batch 1: the profile (or its on-disk cache),
-any calibration and the decoding all count, as a new user sees them. The fixed gammas are timed
-on a warmed engine. Reps alternate the systems so that machine noise hits all alike; ratios are
+any calibration and the decoding all count, as a new user sees them. The fixed gammas, and auto
+once more, are timed on a warmed engine (so fresh auto / warm auto is what cold start costs). Reps alternate the systems so that machine noise hits all alike; ratios are
 of medians within the run.
 
     python benchmarks/cold_start.py --prompts 4 --reps 3 [--no-cache] [--no-prior]
@@ -72,6 +72,8 @@ def main() -> None:
         print(f"rep {rep}: fresh auto {s:.2f}s, {n} tokens, {calib} calibration steps, "
               f"profiles {fresh.costs.profiles_taken} (cached {getattr(fresh.costs, 'profile_cached', '?')})",
               flush=True)
+        s, n = timed(warm, prompts, params, "auto")
+        times.setdefault("auto (warm engine)", []).append(s)
         for g in gammas:
             s, n = timed(warm, prompts, params, g)
             times.setdefault(f"gamma={g}", []).append(s)
@@ -83,6 +85,11 @@ def main() -> None:
     print("|---|---|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {med['gamma=0'] / v:.2f} | {med[best] / v:.2f} |")
+    auto = times["auto (fresh engine, first call)"]
+    for other in (best, "gamma=0", "auto (warm engine)"):
+        paired = [b / a for a, b in zip(auto, times[other])]
+        print(f"paired per rep, fresh auto vs {other}: median {statistics.median(paired):.2f} "
+              f"(min {min(paired):.2f}, max {max(paired):.2f})")
 
 
 if __name__ == "__main__":
