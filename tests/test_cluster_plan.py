@@ -60,6 +60,12 @@ def test_an_unseen_task_calibrates_in_one_shard_of_a_two_actor_run(assets, ray_s
     from pipeline.cluster.planner import run_counts
     reached, accepted = run_counts(str(root / "fresh"))["default"]
     assert reached[0] == sum(r["reached_by_depth"][0] for r in stats if r["reached_by_depth"])
+    from pipeline.cluster.planner import Planner
+    raw = {"model": {"path": str(model)}, "data": {"path": "x"}, "output": {"dir": "y"},
+           "spec": {"prior": str(root / "fresh")}}
+    planner = Planner(RunConfig.from_dict(raw))
+    plan = planner.plan(0, 10, None).for_task("default")
+    assert plan.prior_row_steps > 0 and plan.source == f"run {root / 'fresh'}" and not planner.evidence.leases
 
 
 def test_a_checkpoint_with_a_prior_never_calibrates(assets, ray_session):
