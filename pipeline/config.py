@@ -94,6 +94,7 @@ class OutputConfig:
 class SpecConfig:
     gamma: int | str = "auto"     # drafts per verify step: 'auto' (chosen per shard) or an int >= 0 (0 = none)
     gamma_max: int = DEFAULT_GAMMA_MAX   # caps 'auto'
+    prior: str | None = None      # a run directory (or a spec_prior.json) whose acceptance starts the plans
 
     def __post_init__(self) -> None:
         _check(_is_int(self.gamma_max) and self.gamma_max >= 0,
@@ -214,6 +215,7 @@ class RunConfig:
             d.pop(key, None)
         d["output"].pop("dir", None)
         d["model"].pop("allow_pickle", None)
+        d["spec"].pop("prior", None)             # evidence to start from: gamma only, never the outputs
         for section, key, default in _ADDED_LATER:
             if d[section].get(key) == default:
                 d[section].pop(key)

@@ -1,11 +1,13 @@
 """Test-wide setup: never reach the Hugging Face hub (checkpoints are written by the tests),
 and one local-Ray fixture for the modules that need it."""
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("SPECBATCH_CACHE", tempfile.mkdtemp(prefix="specbatch-test-cache-"))   # never ~/.cache
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from pipeline.run import register_resolvers
 
 ray = pytest.importorskip("ray")
 
-DESIGN_STATS = ["shard_id", "task", "num_rows", "gamma", "gamma_reason", "gamma_candidates",
+DESIGN_STATS = ["shard_id", "task", "num_rows", "planned_gamma", "gamma", "gamma_steps", "calibration_steps",
+                "prior_row_steps", "gamma_reason", "gamma_candidates",
                 "predicted_goodput", "acceptance_by_depth", "mean_acceptance_length",
                 "tokens_per_s", "draft_time_s", "verify_time_s", "wall_time_s", "utilization",
                 "device", "actor_id", "node_id", "attempt"]
@@ -58,6 +59,10 @@ def outputs(out_dir):
     return ds.dataset(str(out_dir / "outputs"), format="parquet").to_table()
 
 
+def manifest_steps(out_dir):
+    return json.loads((out_dir / "manifest.json").read_text())["totals"]["gamma_histogram"]
+
+
 def part_mtimes(out_dir):
     return {p.name: p.stat().st_mtime_ns for p in (out_dir / "outputs").glob("part-*.parquet")}
 
@@ -85,7 +90,9 @@ def test_run_then_resume(assets, ray_session, tmp_path):
     num_shards = -(-len(expected) // 3)
     assert sorted(stats["shard_id"].to_pylist()) == list(range(num_shards))
     assert sum(stats["num_rows"].to_pylist()) == len(expected)
-    assert set(stats["gamma"].to_pylist()) == {2}
+    assert set(stats["gamma"].to_pylist()) == {2} and set(stats["planned_gamma"].to_pylist()) == {2}
+    assert all(len(s) == 3 and s[2] > 0 and not any(s[:2]) for s in stats["gamma_steps"].to_pylist())
+    assert manifest_steps(out_dir) == {"2": sum(s[2] for s in stats["gamma_steps"].to_pylist())}
     assert all(len(a) >= 1 for a in stats["acceptance_by_depth"].to_pylist())
 
     manifest = json.loads((out_dir / "manifest.json").read_text())

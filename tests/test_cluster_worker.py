@@ -126,7 +126,7 @@ def test_auto_gamma_fields_come_from_the_policy_decisions():
     from pipeline.spec_decode.policy import Decision
 
     class Policy:
-        decisions = [Decision(5, "calibrating acceptance (0/64 row-steps)", [], [], []),
+        decisions = [Decision(5, "calibrating acceptance (0/64 row-steps)", [], [], [], calibrating=True),
                      Decision(3, "rows=8: gamma=3 predicts 900 tok/s", [0, 1, 2, 3], [300.0, 600.0, 800.0, 900.0], [0.8]),
                      Decision(3, "rows=8: gamma=3 predicts 910 tok/s", [0, 1, 2, 3], [301.0, 601.0, 801.0, 910.0], [0.8]),
                      Decision(4, "rows=1: gamma=4 predicts 200 tok/s", [0, 1, 2, 3, 4], [50.0, 90, 130, 170, 200], [0.8])]

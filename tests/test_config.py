@@ -83,10 +83,12 @@ def test_hash_of_a_config_without_the_newer_keys_is_unchanged():
     d["model"].pop("allow_pickle")
     d["sampling"].pop("truncate_prompt")
     d["sampling"].pop("ignore_eos")
+    d["spec"].pop("prior")                                  # evidence to start from, never hashed
     old = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert cfg.hash() == old
     assert RunConfig.from_dict(base(sampling__truncate_prompt=True)).hash() != RunConfig.from_dict(base()).hash()
     assert RunConfig.from_dict(base(model__allow_pickle=True)).hash() == RunConfig.from_dict(base()).hash()
+    assert RunConfig.from_dict(base(spec__prior="runs/x")).hash() == RunConfig.from_dict(base()).hash()
 
 
 def test_config_diff_names_each_change():

@@ -19,7 +19,7 @@ from pipeline.spec_decode.cost import CostModel
 from tests.dashboard_runs import FAILURE, make_runs
 
 GRAFANA = Path(__file__).resolve().parents[1] / "infra" / "grafana" / "specbatch.json"
-CHARTS = ("gamma-histogram", "throughput", "gamma", "acceptance", "cost", "utilization", "commits")
+CHARTS = ("gamma-histogram", "throughput", "gamma", "plan", "acceptance", "cost", "utilization", "commits")
 
 
 @pytest.fixture(scope="module")

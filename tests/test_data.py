@@ -168,9 +168,9 @@ def test_error_rows_and_stats_file(tmp_path):
     assert table["error"].to_pylist() == ["actor died"] * 3
     rows = [{"shard_id": 1, "task": "t", "num_rows": 3, "gamma": 2, "mean_acceptance_length": 2.0,
              "num_generated_tokens": 10, "acceptance_by_depth": [0.5, 0.25],
-             "gamma_candidates": [], "predicted_goodput": []},
+             "gamma_candidates": [], "predicted_goodput": [], "gamma_steps": [1, 0, 5]},
             {"shard_id": 0, "task": "t", "num_rows": 1, "gamma": 2, "mean_acceptance_length": 1.0,
-             "num_generated_tokens": 5}]
+             "num_generated_tokens": 5, "gamma_steps": [0, 0, 3]}]
     path = write_stats(tmp_path, rows)
     back = pq.read_table(path)
     assert back.schema.equals(STATS_SCHEMA)
@@ -178,7 +178,7 @@ def test_error_rows_and_stats_file(tmp_path):
     t = totals(rows)
     assert t["rows"] == 4 and t["generated_tokens"] == 15
     assert t["mean_acceptance_length"] == pytest.approx(15 / (5 / 1.0 + 10 / 2.0))
-    assert t["gamma_histogram"] == {"2": 4}
+    assert t["gamma_histogram"] == {"0": 1, "2": 8}          # verify steps per gamma, not rows
 
 
 def test_atomic_json(tmp_path):

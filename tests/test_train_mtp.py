@@ -110,4 +110,7 @@ def test_train_mtp_recipe_writes_heads_into_checkpoint(tmp_path):
     assert main(cfg) == 0
     loaded = load_model(path)
     assert len(loaded.heads) == 1
+    from pipeline.model.spec_prior import read_spec_prior
+    prior = read_spec_prior(path)          # the heads' held-out acceptance ships with them
+    assert prior and prior["*"][0][0] > 0 and all(a <= r for a, r in zip(prior["*"][1], prior["*"][0]))
     assert (tmp_path / "work" / "sequences.pt").exists() and (tmp_path / "work" / "mtp_train.pt").exists()

@@ -20,6 +20,7 @@ from pipeline.data.storage import is_uri
 from pipeline.cluster.actor import Loader, actor_options, load_engine, start_actor
 from pipeline.cluster.metrics import RunMetrics
 from pipeline.cluster.narrow import Retries, Try, failures_tolerated
+from pipeline.cluster.planner import Planner
 from pipeline.cluster.pool import ActorPool, ActorsKeepDying
 from pipeline.cluster.progress import Progress
 from pipeline.cluster.worker import ShardResult, ShardTask, failed_shard_result
@@ -127,12 +128,14 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     retries = Retries(cfg.shards.max_attempts)
     bar = Progress(record.total_rows, record.done_rows, enabled=progress)
     metrics = RunMetrics(str(record.run_dir).rstrip("/").rsplit("/", 1)[-1])
+    planner = Planner(cfg, record.stats_rows)
     status = "failed"
     try:
         pool.wait_ready()
-        pool.run([retries.first(s) for s in pending], lambda t: _task(cfg, record, t),
-                 lambda t, result: _done(record, bar, retries, t, result, metrics),
-                 lambda t, why: _failed(cfg, record, bar, retries, t, why, metrics))
+        pool.run([retries.first(s) for s in pending],
+                 lambda t, actor: _task(cfg, record, t, planner.plan(t.shard.shard_id, t.shard.num_rows, actor)),
+                 lambda t, result: _done(record, bar, retries, t, result, metrics, planner),
+                 lambda t, why: _failed(cfg, record, bar, retries, t, why, metrics, planner))
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -144,24 +147,28 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     return record.manifest
 
 
-def _task(cfg: RunConfig, record: RunRecord, t: Try) -> ShardTask:
+def _task(cfg: RunConfig, record: RunRecord, t: Try, plan=None) -> ShardTask:
     record.attempts[t.shard.shard_id] = t.attempt
     return ShardTask(shard=t.shard, attempt=t.attempt, files=record.source.files,
                      file_rows=record.source.file_rows, data=cfg.data,
                      keep_columns=cfg.output.keep_columns, sampling=cfg.sampling,
                      gamma=cfg.spec.gamma, gamma_max=cfg.spec.gamma_max,
-                     output_dir=record.output_dir, probe=t.probe, bad_rows=t.bad_rows)
+                     output_dir=record.output_dir, probe=t.probe, bad_rows=t.bad_rows, plan=plan)
 
 
 def _done(record: RunRecord, bar: Progress, retries: Retries, t: Try, result: ShardResult,
-          metrics: RunMetrics | None) -> list[Try]:
+          metrics: RunMetrics | None, planner: Planner | None = None) -> list[Try]:
     if t.probe is None:
         _commit(record, bar, t.shard, t.attempt, result, metrics)
+    if planner is not None:
+        planner.done(t.shard.shard_id, result.stats_rows, result.costs, committed=t.probe is None)
     return retries.passed(t)
 
 
 def _failed(cfg: RunConfig, record: RunRecord, bar: Progress, retries: Retries, t: Try,
-            why: str, metrics: RunMetrics | None) -> list[Try]:
+            why: str, metrics: RunMetrics | None, planner: Planner | None = None) -> list[Try]:
+    if planner is not None:
+        planner.failed(t.shard.shard_id)
     follow = retries.failed(t, why)
     if follow is None:
         _give_up(cfg, record, bar, t, why, metrics)

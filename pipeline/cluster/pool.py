@@ -58,10 +58,11 @@ class ActorPool:
         self.actors = [fresh if a is actor else a for a in self.actors]
         return fresh
 
-    def run(self, tries: list[Try], make_task: Callable[[Try], ShardTask],
+    def run(self, tries: list[Try], make_task: Callable[[Try, Any], ShardTask],
             on_done: Callable[[Try, ShardResult], list[Try]],
             on_failed: Callable[[Try, str], list[Try]]) -> None:
-        """Run every try on whichever actor is idle; the callbacks return the tries that follow
+        """Run every try on whichever actor is idle (`make_task(try, actor)`: the task is made for
+        the actor that takes it); the callbacks return the tries that follow
         (retries first in line). A dead actor is replaced; a UserError raised in a task (the
         input cannot be read) stops the run."""
         queue = deque(tries)
@@ -71,7 +72,7 @@ class ActorPool:
             while idle and queue:
                 t = queue.popleft()
                 actor = idle.pop()
-                running[actor.run.remote(make_task(t))] = (actor, t)
+                running[actor.run.remote(make_task(t, actor))] = (actor, t)
             [ref], _ = ray.wait(list(running), num_returns=1)
             actor, t = running.pop(ref)
             try:

@@ -24,7 +24,9 @@ from pipeline.data.read import read_shard
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, SamplingParams
 from pipeline.cluster.step_samples import (cost_model_json, cost_samples, predicted_gamma0_tokens_per_s,
                                            shard_cost_model)
+from pipeline.cluster.plan_stats import actor_costs, plan_fields
 from pipeline.cluster.utilization import UtilizationMeter
+from pipeline.spec_decode.plan import ShardPlan, TaskPlan
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class ShardTask:
     output_dir: str | None = None     # run directory (path or URI) the actor commits to; None: return rows
     probe: tuple[int, int] | None = None   # only rows [lo, hi) of the shard, output discarded (narrow.py)
     bad_rows: tuple[tuple[int, str], ...] = ()   # (row of the shard, error): written, not generated
+    plan: ShardPlan | None = None     # the driver's plan (gamma and prior per task); None: the actor's own
 
 
 @dataclass
@@ -48,13 +51,14 @@ class ShardResult:
     table: pa.Table | None            # the shard's output rows, in input order; None once committed
     stats_rows: list[dict] = field(default_factory=list)   # one per task in the shard
     num_rows: int | None = None       # output rows (set when the table was committed by the actor)
+    costs: dict | None = None         # the actor's cost evidence for the driver's plans (plan_stats.py)
 
 
 def commit_result(task: ShardTask, result: ShardResult) -> ShardResult:
     """Commit the shard's part to `task.output_dir` from where it was generated (the actor),
     and hand back only its stats: output rows never travel through the driver."""
     if task.probe is not None:            # a probe only tells whether its rows can be generated
-        return ShardResult(None, [], result.table.num_rows)
+        return ShardResult(None, [], result.table.num_rows, result.costs)
     if task.output_dir is None or result.table is None:
         return result
     table = result.table
@@ -62,7 +66,7 @@ def commit_result(task: ShardTask, result: ShardResult) -> ShardResult:
         raise RuntimeError(f"shard {task.shard.shard_id}: {table.num_rows} output rows for "
                            f"{task.shard.num_rows} input rows")
     commit_part(task.output_dir, task.shard.shard_id, table, result.stats_rows)
-    return ShardResult(None, result.stats_rows, table.num_rows)
+    return ShardResult(None, result.stats_rows, table.num_rows, result.costs)
 
 
 def row_key(row_id) -> int:
@@ -111,7 +115,7 @@ def gamma_in_use(engine_stats: Any, gamma: int | str, policy: Any = None) -> dic
     chosen = Counter(d.gamma for d in decided).most_common(1)[0][0]
     rep = next(d for d in decided if d.gamma == chosen)
     notes = [f"auto: {rep.reason}"]
-    calibrating = sum(1 for d in decisions if not d.predicted_goodput)
+    calibrating = sum(1 for d in decisions if getattr(d, "calibrating", not d.predicted_goodput))
     if calibrating:
         notes.append(f"{calibrating} calibration steps at gamma_max")
     measuring = sum(1 for d in decisions if getattr(d, "measuring", False))
@@ -130,15 +134,20 @@ def _finite(x: float) -> float | None:
 
 
 def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: SamplingParams,
-                   gamma: int | str, info: dict, prior: Any = None) -> tuple[list[dict], dict, Any]:
+                   gamma: int | str, info: dict, prior: Any = None,
+                   plan: TaskPlan | None = None) -> tuple[list[dict], dict, Any]:
     """One generate call; per-row results, the measured part of the stats row, and the call's
     acceptance counters (the prior for this task's next shard on this actor).
 
-    With gamma 'auto' the engine's measured policy chooses every step, seeded with `prior`;
-    a task this actor has not seen starts with a calibration window at gamma_max."""
+    With gamma 'auto' the engine's measured policy chooses every step, seeded with the plan's
+    prior (else `prior`, this actor's own); without enough evidence it calibrates at gamma_max
+    first, where the plan lets it (pipeline.spec_decode.evidence)."""
     policy = gamma
+    if plan is not None:
+        prior = plan.prior()
     if gamma == "auto" and getattr(engine, "num_mtp_heads", 0) and hasattr(engine, "auto_policy"):
-        policy = engine.auto_policy(prior=prior)
+        policy = (engine.auto_policy(prior=prior) if plan is None else
+                  engine.auto_policy(prior=prior, planned=plan.gamma, calibrate=plan.calibrate, rows=len(prompts)))
     wall0 = time.perf_counter()
     with UtilizationMeter(info.get("device", "cpu"), int(info.get("threads", 1))) as meter:
         outs = engine.generate(prompts, sampling, gamma=policy, row_keys=keys)
@@ -159,6 +168,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
         "cost_samples": cost_samples(stats.steps),      # for the dashboard's cost-model plot
         "cost_model": cost_model_json(model),
         "predicted_goodput_gamma0": predicted_gamma0_tokens_per_s(stats.steps, model, generated, wall),
+        **plan_fields(stats, getattr(engine, "last_policy", None), plan, gamma, prior),
     }
     counts = stats.counts() if hasattr(stats, "counts") else None
     return results, measured, counts
@@ -190,7 +200,7 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
         if good:
             outs, measured, counts = generate_group(
                 engine, [prompts[i] for i in good], [row_key(id_values[i]) for i in good], task.sampling,
-                task.gamma, info, priors.get(name))
+                task.gamma, info, priors.get(name), task.plan.for_task(name) if task.plan else None)
             if counts is not None:
                 priors[name] = counts if name not in priors else priors[name].merge(counts)
             for i, r in zip(good, outs):
@@ -205,7 +215,7 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
         })
     keep = table.select(list(task.keep_columns)) if task.keep_columns else None
     out = output_table(ids, prompts, results, keep)
-    return ShardResult(out, stats_rows)
+    return ShardResult(out, stats_rows, costs=actor_costs(engine, info, stats_rows))
 
 
 def read_task_rows(task: ShardTask) -> pa.Table:

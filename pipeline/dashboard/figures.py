@@ -43,19 +43,45 @@ def wrap(text: Any, width: int = 70) -> str:
 
 
 def gamma_histogram(rows: Rows, histogram: dict | None = None) -> go.Figure | None:
-    """Rows decoded at each gamma (the manifest's histogram; else counted from the rows)."""
+    """Verify steps run at each gamma (the manifest's histogram; else summed from the rows'
+    `gamma_steps`). A shard with no steps (failed) shows under "none (failed)" with 0."""
     if not histogram:
         histogram = defaultdict(int)
         for r in rows:
-            histogram[str(r.get("gamma"))] += int(r.get("num_rows") or 0)
+            steps = r.get("gamma_steps") or []
+            for g, n in enumerate(steps):
+                histogram[str(g)] += int(n or 0)
+            if not any(steps) and r.get("gamma") is None:
+                histogram["None"] += 0
     if not histogram:
         return None
     keys = sorted(histogram, key=lambda g: (not g.lstrip("-").isdigit(), int(g) if g.lstrip("-").isdigit() else 0, g))
     labels = ["none (failed)" if k == "None" else k for k in keys]
     fig = go.Figure(go.Bar(x=labels, y=[histogram[k] for k in keys], marker_color="#1f77b4",
-                           hovertemplate="gamma %{x}: %{y} rows<extra></extra>"))
+                           hovertemplate="gamma %{x}: %{y} steps<extra></extra>"))
     fig.update_xaxes(type="category")
-    return styled(fig, "Rows per gamma", "gamma", "rows", height=300).update_layout(showlegend=False)
+    return styled(fig, "Verify steps per gamma", "gamma", "steps", height=300).update_layout(showlegend=False)
+
+
+def plan_figure(rows: Rows) -> go.Figure | None:
+    """Per shard: the driver's planned gamma next to the gamma used on most steps, and the
+    steps spent calibrating."""
+    done = [r for r in rows if r.get("planned_gamma") is not None or r.get("calibration_steps")]
+    if not done:
+        return None
+    x = [shard_label(r) for r in done]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(name="planned gamma", x=x, y=[r.get("planned_gamma") for r in done], mode="markers",
+                             marker=dict(symbol="circle-open", size=10),
+                             customdata=[[r.get("prior_source"), r.get("prior_row_steps")] for r in done],
+                             hovertemplate="shard %{x}: planned %{y}<br>prior: %{customdata[0]} "
+                                           "(%{customdata[1]} row-steps)<extra></extra>"))
+    fig.add_trace(go.Scatter(name="gamma used", x=x, y=[r.get("gamma") for r in done], mode="markers",
+                             marker=dict(size=6)))
+    fig.add_trace(go.Bar(name="calibration steps", x=x, y=[r.get("calibration_steps") or 0 for r in done],
+                         yaxis="y2", opacity=0.3))
+    fig.update_layout(yaxis2=dict(overlaying="y", side="right", title="calibration steps"))
+    return styled(fig, "Planned vs used gamma per shard", "shard", "gamma", height=300)
 
 
 def throughput_figure(rows: Rows) -> go.Figure | None:

@@ -22,13 +22,14 @@ from pipeline.dashboard.load import RunView
 CHARTS: list[tuple[str, Callable, str]] = [
     ("throughput", figures.throughput_figure, "no shard has finished yet"),
     ("gamma", figures.gamma_figure, "no shard has a gamma yet"),
+    ("plan", figures.plan_figure, "no shard has a plan yet"),
     ("acceptance", figures.acceptance_figure, "no drafts verified yet (gamma 0 or no shards)"),
     ("cost", timeline.cost_figure, "no verify-step samples yet"),
     ("utilization", timeline.utilization_figure, "no utilisation measured yet"),
     ("commits", timeline.commits_figure, "no shard committed yet"),
 ]
 
-TITLES = {"gamma-histogram": "Rows per gamma", "throughput": "Tokens/s per shard",
+TITLES = {"gamma-histogram": "Verify steps per gamma", "plan": "Planned vs used gamma per shard", "throughput": "Tokens/s per shard",
           "gamma": "Gamma per shard", "acceptance": "Per-depth acceptance per task",
           "cost": "Verify cost model", "utilization": "Utilisation over time",
           "commits": "Shards committed per actor over time"}
@@ -173,7 +174,7 @@ def errors_table(view: RunView) -> str:
 def chart_cards(view: RunView) -> str:
     hist = figures.gamma_histogram(view.rows, view.totals.get("gamma_histogram"))
     cards = []
-    for name, make, empty in [("gamma-histogram", lambda rows: hist, "no rows decoded yet")] + CHARTS:
+    for name, make, empty in [("gamma-histogram", lambda rows: hist, "no steps decoded yet")] + CHARTS:
         try:
             fig = make(view.rows)
         except Exception as exc:       # one bad chart must not hide the others

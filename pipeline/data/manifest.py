@@ -46,16 +46,18 @@ def totals(stats_rows: Sequence[dict], session_tokens: int = 0,
     generated = sum(r.get("num_generated_tokens") or 0 for r in stats_rows)
     steps = sum((r.get("num_generated_tokens") or 0) / r["mean_acceptance_length"]
                 for r in stats_rows if r.get("mean_acceptance_length"))
-    gamma_rows: Counter = Counter()
+    gamma_steps: Counter = Counter()
     for r in stats_rows:
-        gamma_rows[str(r.get("gamma"))] += r["num_rows"]
+        for g, n in enumerate(r.get("gamma_steps") or ()):
+            if n:
+                gamma_steps[g] += n
     return {
         "rows": rows,
         "rows_with_error": sum(r.get("num_errors") or 0 for r in stats_rows),
         "generated_tokens": generated,
         "tokens_per_s": session_tokens / session_wall_s if session_wall_s > 0 else None,
         "mean_acceptance_length": generated / steps if steps > 0 else None,
-        "gamma_histogram": dict(sorted(gamma_rows.items())),  # gamma -> rows
+        "gamma_histogram": {str(g): n for g, n in sorted(gamma_steps.items())},  # gamma -> verify steps
     }
 
 

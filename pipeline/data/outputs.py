@@ -17,7 +17,11 @@ STATS_SCHEMA = pa.schema([
     ("shard_id", pa.int64()),
     ("task", pa.string()),
     ("num_rows", pa.int64()),
+    ("planned_gamma", pa.int64()),                  # the driver's plan (null: nothing to plan from)
     ("gamma", pa.int64()),                          # gamma in use (null when not known)
+    ("gamma_steps", pa.list_(pa.int64())),          # verify steps per gamma (index = gamma)
+    ("calibration_steps", pa.int64()),              # steps run at gamma_max to measure acceptance
+    ("prior_row_steps", pa.int64()),                # evidence (row-steps at depth 1) the policy started from
     ("gamma_reason", pa.string()),
     ("gamma_candidates", pa.list_(pa.int64())),     # aligned with predicted_goodput
     ("predicted_goodput", pa.list_(pa.float64())),
@@ -40,6 +44,10 @@ STATS_SCHEMA = pa.schema([
     ("predicted_goodput_gamma0", pa.float64()),     # cost model's tokens/s at gamma 0
     ("cost_samples", pa.list_(pa.list_(pa.float64()))),  # <= 64 x [rows, q, ctx, verify_s, draft_s]
     ("cost_model", pa.string()),                    # the cost model used: JSON of CostModel.to_dict()
+    # beyond DESIGN.md, the run's evidence (pipeline.spec_decode.evidence):
+    ("prior_source", pa.string()),                  # where the prior came from
+    ("reached_by_depth", pa.list_(pa.int64())),     # row-steps that verified draft k (k = 1..)
+    ("accepted_by_depth", pa.list_(pa.int64())),    # ... and accepted it
 ])
 
 

@@ -102,6 +102,8 @@ def build(spec: BuildSpec, log=print) -> dict:
         t = time.time()
         result["acceptance"] = evaluate_acceptance(Path(spec.model_dir), Path(spec.data_path), log=log,
                                                    **{"device": str(dev), **spec.eval})
+        from pipeline.demo.prior import write_eval_prior
+        write_eval_prior(spec.model_dir, result["acceptance"])     # the heads' prior ships with them
         times["eval"] = time.time() - t
     result["total_s"] = time.time() - t0
     (work / "build_result.json").write_text(json.dumps(result, indent=2, default=str))

@@ -62,6 +62,7 @@ def evaluate_acceptance(model_dir: Path, data_path: Path, gamma: int = 3, rows_p
             "rows": len(rows),
             "acceptance_by_depth": [round(a, 3) for a in stats.acceptance_by_depth()],
             "mean_acceptance_length": round(stats.mean_acceptance_length(), 3),
+            "reached": list(stats.reached), "accepted": list(stats.accepted),     # counts, for spec_prior.json
             "seconds": round(time.time() - t, 1),
             "on_topic": on_topic_rate([o.text for o in outs], [r["reference"] for r in rows])
                         if task == "summarize" else None,

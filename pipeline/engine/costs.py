@@ -39,6 +39,7 @@ class CostTracker:
         self.baseline_util: float | None = None
         self.stale_reason: str | None = None
         self.profiles_taken = 0
+        self.profile_cached = False      # the current profile came from the on-disk cache (warm_start.py)
         self.fits, self.fit_seconds = 0, 0.0   # how many fits, and their total time (for benchmarks)
         self._model: CostModel | None = None
         self._fit_s = 0.0                 # how long the last fit took
@@ -56,6 +57,12 @@ class CostTracker:
         self.ratios.clear()
         self.baseline_util, self.stale_reason = None, None
         self.profiles_taken += 1
+        self._model = None
+
+    def extend_profile(self, records: list[StepRecord]) -> None:
+        """Profiled shapes added (a batch larger than any profiled before): what was measured
+        stays; the model is refitted with them."""
+        self.profile = self.profile + list(records)
         self._model = None
 
     def model(self) -> CostModel | None:

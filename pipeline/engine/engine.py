@@ -15,7 +15,7 @@ import torch
 from pipeline.engine.costs import CostTracker
 from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingParams
-from pipeline.engine.profile import profile_costs
+from pipeline.engine.warm_start import checkpoint_prior, ensure_profile
 from pipeline.engine.rows import Row
 from pipeline.engine.slots import Slots
 from pipeline.model.cache import Batch, KVCache
@@ -67,6 +67,7 @@ class Engine:
         self.costs = CostTracker()            # profile, measured steps, fitted cost model
         self.last_policy: GammaPolicy | None = None   # its .decisions explain each step's gamma
         self._caches: dict[str, KVCache] = {}          # the last call's KV caches, reused where they fit
+        self.spec_prior: SpecStats | None = checkpoint_prior(getattr(loaded, "path", None))   # all tasks pooled
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
@@ -108,20 +109,29 @@ class Engine:
         """The cost model fitted from the profile and every measured step (this call's too)."""
         return self.costs.model()
 
-    def ensure_profile(self, context_len: int = 128) -> None:
-        """Profile the accelerator once, and again whenever the tracker finds the model stale."""
-        if self.heads and self.costs.needs_profile():
-            self.costs.set_profile(profile_costs(self, self.max_batch_size, self.gamma_max, context_len))
+    def ensure_profile(self, context_len: int = 128, rows: int | None = None) -> None:
+        """Profile the accelerator at batch sizes up to `rows` (default max_batch_size), each
+        once, from the on-disk cache where it has them, and again whenever the tracker finds
+        the profile stale (pipeline.engine.warm_start)."""
+        if self.heads:
+            ensure_profile(self, context_len, rows)
 
     def note_utilization(self, utilization: float | None) -> None:
         """Utilisation measured over a shard; a large change marks the cost profile stale."""
         self.costs.note_utilization(utilization)
 
-    def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128) -> GoodputPolicy:
+    def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128, planned: int | None = None,
+                    calibrate: bool = True, rows: int | None = None) -> GoodputPolicy:
         """A GoodputPolicy over this engine's cost model. `prior`: acceptance measured on earlier
-        shards of the same task (else the policy calibrates at gamma_max first)."""
-        self.ensure_profile(context_len)
-        return GoodputPolicy(self.gamma_max, self.cost_model, prior or SpecStats())
+        shards of the same task; where it is short, the checkpoint's spec_prior.json (else the
+        policy calibrates at gamma_max first). `planned`, `calibrate`: the driver's plan.
+        `rows`: the call's rows (the profile covers batch sizes up to them)."""
+        self.ensure_profile(context_len, rows)
+        policy = GoodputPolicy(self.gamma_max, self.cost_model, prior or SpecStats(), planned=planned,
+                               calibrate=calibrate)
+        if self.spec_prior is not None and (policy.prior.reached or [0])[0] < policy.calibration_rows:
+            policy.prior = policy.prior.merge(self.spec_prior)
+        return policy
 
     # ---- public entry ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,7 +143,7 @@ class Engine:
         params = params or SamplingParams()
         if row_keys is not None and len(row_keys) != len(prompts):
             raise ValueError(f"row_keys has {len(row_keys)} entries for {len(prompts)} prompts")
-        policy = self._resolve_policy(gamma)
+        policy = self._resolve_policy(gamma, len(prompts))
         self.last_policy = policy
         rows = [self._make_row(i, p, params) for i, p in enumerate(prompts)]
         for row, key in zip(rows, row_keys or ()):
@@ -146,7 +156,7 @@ class Engine:
         del self.stats.steps[:-_KEEP_STEPS], self.stats.prefills[:-_KEEP_STEPS]   # bounded memory
         return [r.finalize(params, self.tokenizer) if r.out.error is None else r.out for r in rows]
 
-    def _resolve_policy(self, gamma) -> GammaPolicy:
+    def _resolve_policy(self, gamma, rows: int | None = None) -> GammaPolicy:
         if isinstance(gamma, bool) or not (gamma == "auto" or isinstance(gamma, int) or hasattr(gamma, "choose")):
             raise ValueError(f"gamma must be an int >= 0, 'auto' or a policy, got {gamma!r}")
         if isinstance(gamma, int):
@@ -155,7 +165,7 @@ class Engine:
             if gamma > 0 and not self.heads:
                 raise ValueError(f"gamma={gamma} needs MTP heads; {self.model.path} has none (use gamma=0)")
         if gamma == "auto" and self.heads and self.gamma_max > 0:
-            return self.auto_policy(prior=self.stats)
+            return self.auto_policy(prior=self.stats, rows=rows)
         return make_policy(gamma)
 
     def _make_row(self, index: int, prompt, params: SamplingParams) -> Row:

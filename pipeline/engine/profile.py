@@ -16,7 +16,7 @@ from pipeline.model.cache import Batch, KVCache
 from pipeline.spec_decode.stats import StepRecord
 
 
-def _rows_grid(max_rows: int) -> list[int]:
+def rows_grid(max_rows: int) -> list[int]:
     grid, r = [], 1
     while r < max_rows:
         grid.append(r)
@@ -25,9 +25,11 @@ def _rows_grid(max_rows: int) -> list[int]:
 
 
 @torch.inference_mode()
-def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128, reps: int = 2) -> list[StepRecord]:
+def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128, reps: int = 2,
+                  rows_list: list[int] | None = None) -> list[StepRecord]:
     """Time target forwards of rows x (gamma + 1) tokens, and drafts of gamma tokens, at a few
-    batch sizes and two context lengths. Takes well under a second for small models on a CPU."""
+    batch sizes (`rows_list`, default `rows_grid(max_rows)`) and two context lengths. Takes well
+    under a second for small models on a CPU."""
     cfg, dev, dt = engine.config, engine.device, engine.dtype
     contexts = sorted({max(1, context_len // 2), context_len * 2})
     capacity = max(contexts) + gamma_max + 2
@@ -48,7 +50,7 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
         return best
 
     for ctx in contexts:
-        for rows in _rows_grid(max_rows):
+        for rows in rows_list or rows_grid(max_rows):
             for gamma in range(gamma_max + 1):
                 q = gamma + 1
                 tokens = torch.randint(0, cfg.vocab_size, (rows, q), generator=gen).to(dev)

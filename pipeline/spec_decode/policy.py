@@ -24,6 +24,10 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   not re-measured while at gamma 0: a mispriced one only delays a gain.
 - Reuse: a decision stands for `recheck_steps` steps (`recheck_plain_steps` for gamma 0, which
   moves no acceptance estimate) while rows, cost model, context bucket and rows apart are unchanged.
+- The plan: calibration happens once per run, not per actor. The driver's plan
+  (pipeline.spec_decode.plan) hands each policy the run's evidence as its prior; a policy told
+  not to calibrate (`calibrate=False`: another shard is calibrating the task) runs the plan's
+  gamma (`planned`) until its own evidence suffices.
 
 Example: a = [0.8, 0.5] gives E = 1, 1.8, 2.2 at gamma 0, 1, 2; at 8 rows with whole steps of
 10, 14 and 20 ms, goodput is 800, 1029 and 880 tokens/s, so gamma 1 (29% over gamma 0) is chosen.
@@ -104,6 +108,7 @@ class Decision:
     predicted_goodput: list[float]      # tokens/s per candidate (empty while calibrating)
     acceptance: list[float]
     measuring: bool = False             # gamma 0 run to measure plain decoding at this shape
+    calibrating: bool = False           # gamma_max run to measure acceptance at every depth
 
 
 @dataclass
@@ -116,6 +121,8 @@ class GoodputPolicy:
     recheck_plain_steps: int = 32       # a gamma-0 decision: no drafts, so no acceptance moves meanwhile
     min_gain: float = 0.05
     remeasure_share: float = 0.005      # what re-measuring gamma 0 while speculating may cost (share of steps x gap)
+    planned: int | None = None          # the driver's plan (pipeline.spec_decode.plan): run while evidence is short
+    calibrate: bool = True              # False: another shard calibrates this task; do not calibrate here
     decisions: list[Decision] = field(default_factory=list)
     _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
 
@@ -140,9 +147,13 @@ class GoodputPolicy:
         seen = reached[0] if reached else 0
         if self.gamma_max == 0:
             return self._record(Decision(0, "gamma_max is 0", [0], [], []))
+        if seen < self.calibration_rows and not self.calibrate:
+            g = min(self.planned or 0, self.gamma_max)
+            return self._record(Decision(g, f"the plan's gamma {g}: too little evidence ({seen} row-steps) and "
+                                            "calibration of this task is under way elsewhere", [], [], []))
         if seen < self.calibration_rows:
             return self._record(Decision(self.gamma_max, f"calibrating acceptance ({seen}/{self.calibration_rows} row-steps)",
-                                         [], [], []))
+                                         [], [], [], calibrating=True))
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
         if model is None:
             return self._record(Decision(self.gamma_max, "no cost model yet: measuring", [], [], acc))

@@ -192,6 +192,8 @@ def train_mtp_into(model_dir: Path, train_prompts: list[str], eval_prompts: list
     loaded = load_model(model_dir, device=dev, dtype=torch.float32)
     heads, acc = train_mtp_heads(loaded, data["train"], data["eval"], spec, work_dir, log=log)
     save_mtp_heads(model_dir, [h.float().cpu() for h in heads])
+    from pipeline.demo.prior import write_heldout_prior
+    write_heldout_prior(model_dir, eval_prompts, max_new_tokens=spec.max_new_tokens, device=str(dev), log=log)
     report = {"teacher_forced_acceptance": [round(a, 4) for a in acc],
               "expected_tokens_per_step_gamma3": round(expected_tokens(acc, 3), 3)}
     log(f"MTP heads written to {model_dir}: {report}")

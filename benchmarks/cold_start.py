@@ -1,0 +1,96 @@
+"""Cold start: a fresh engine's first `gamma="auto"` call against plain decoding and fixed gammas.
+
+Each rep builds a fresh Engine (load time not counted) and times its first call with
+gamma="auto" on the same handful of prompts at batch 1: the profile (or its on-disk cache),
+any calibration and the decoding all count, as a new user sees them. The fixed gammas, and auto
+once more, are timed on a warmed engine (so fresh auto / warm auto is what cold start costs). Reps alternate the systems so that machine noise hits all alike; ratios are
+of medians within the run.
+
+    python benchmarks/cold_start.py --prompts 4 --reps 3 [--no-cache] [--no-prior]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "pipeline" / "assets" / "demo"
+
+
+def demo_prompts(n: int, task: str) -> list[str]:
+    rows = pq.read_table(DEMO / "data" / "demo.parquet", columns=["task", "prompt"]).to_pylist()
+    return [r["prompt"] for r in rows if r["task"] == task][-n:]      # the file's last rows
+
+
+def timed(engine, prompts, params, gamma) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, gamma=gamma)
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(DEMO / "model"))
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--task", default="summarize")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gammas", default="0,1,2,3,4,5")
+    ap.add_argument("--no-cache", action="store_true", help="a cold profile on every fresh engine")
+    ap.add_argument("--no-prior", action="store_true", help="ignore the checkpoint's spec_prior.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from pipeline.engine import Engine, SamplingParams
+
+    if args.no_cache:
+        os.environ["SPECBATCH_CACHE"] = tempfile.mkdtemp(prefix="cold-")
+    prompts = demo_prompts(args.prompts, args.task)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    gammas = [int(g) for g in args.gammas.split(",")]
+    warm = Engine.from_pretrained(args.model, device="cpu", dtype="float32", max_batch_size=1)
+    warm.generate(prompts[:1], SamplingParams(max_new_tokens=8), gamma=0)
+    times: dict[str, list[float]] = {}
+    tokens = {}
+    for rep in range(args.reps):
+        if args.no_cache:
+            os.environ["SPECBATCH_CACHE"] = tempfile.mkdtemp(prefix="cold-")
+        fresh = Engine.from_pretrained(args.model, device="cpu", dtype="float32", max_batch_size=1)
+        if args.no_prior:
+            fresh.spec_prior = None
+        s, n = timed(fresh, prompts, params, "auto")
+        times.setdefault("auto (fresh engine, first call)", []).append(s)
+        tokens["auto"] = n
+        pol = fresh.last_policy
+        calib = sum(1 for d in getattr(pol, "decisions", []) if getattr(d, "calibrating", False))
+        print(f"rep {rep}: fresh auto {s:.2f}s, {n} tokens, {calib} calibration steps, "
+              f"profiles {fresh.costs.profiles_taken} (cached {getattr(fresh.costs, 'profile_cached', '?')})",
+              flush=True)
+        s, n = timed(warm, prompts, params, "auto")
+        times.setdefault("auto (warm engine)", []).append(s)
+        for g in gammas:
+            s, n = timed(warm, prompts, params, g)
+            times.setdefault(f"gamma={g}", []).append(s)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = min((k for k in med if k.startswith("gamma=")), key=med.get)
+    print(f"\nmodel {args.model}, {args.prompts} {args.task} prompts at batch 1, "
+          f"max_new_tokens {args.max_new_tokens}, {args.reps} reps, 1 torch thread")
+    print(f"| system | median s | speed vs gamma=0 | speed vs best fixed ({best}) |")
+    print("|---|---|---|---|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.3f} | {med['gamma=0'] / v:.2f} | {med[best] / v:.2f} |")
+    auto = times["auto (fresh engine, first call)"]
+    for other in (best, "gamma=0", "auto (warm engine)"):
+        paired = [b / a for a, b in zip(auto, times[other])]
+        print(f"paired per rep, fresh auto vs {other}: median {statistics.median(paired):.2f} "
+              f"(min {min(paired):.2f}, max {max(paired):.2f})")
+
+
+if __name__ == "__main__":
+    main()

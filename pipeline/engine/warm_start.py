@@ -1,0 +1,125 @@
+"""What lets a fresh engine's first `gamma="auto"` call start warm: the checkpoint's acceptance
+prior (`spec_prior.json`, pipeline.model.spec_prior) and a cost profile cached on disk.
+
+The profile depends on the device, the checkpoint, the dtype, torch's thread count and the
+shapes profiled (gamma_max, context), so those key the cache, which holds each batch size's
+records as they are measured (an engine profiles only the batch sizes its calls reach); the checkpoint
+enters as a fingerprint of its config and weight files (names, sizes and their first 64 KiB),
+so a retrained checkpoint in the same directory is profiled again. The cache lives under
+`$SPECBATCH_CACHE/profiles` (default `~/.cache/specbatch/profiles`); a file that cannot be
+read or written only costs a fresh profile. Only the first profile of an engine is taken from
+the cache: a re-profile (the tracker found the old one stale) is measured, and replaces it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from pipeline.engine.profile import profile_costs, rows_grid
+from pipeline.model.spec_prior import read_spec_prior
+from pipeline.spec_decode.evidence import PRIOR_ROW_STEPS
+from pipeline.spec_decode.plan import scaled_counts
+from pipeline.spec_decode.stats import SpecStats, StepRecord
+
+_FORMAT = 1
+
+
+def checkpoint_prior(path) -> SpecStats | None:
+    """All tasks' held-out acceptance pooled, from `path/spec_prior.json`, weighing at most
+    PRIOR_ROW_STEPS row-steps; None without the file."""
+    if path is None:
+        return None
+    tasks = read_spec_prior(path)
+    if not tasks or "*" not in tasks:
+        return None
+    reached, accepted = scaled_counts(*tasks["*"], PRIOR_ROW_STEPS)
+    return SpecStats(list(reached), list(accepted)) if reached and reached[0] else None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("SPECBATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specbatch")
+    return Path(base) / "profiles"
+
+
+def checkpoint_fingerprint(path) -> str:
+    """A hash of the checkpoint's config and weight files (names, sizes, first 64 KiB)."""
+    h = hashlib.sha256()
+    root = Path(path)
+    for f in sorted(root.glob("*")):
+        if f.name == "config.json" or f.suffix in (".safetensors", ".bin", ".pt"):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 16))
+    return h.hexdigest()[:24]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.machine()}:{platform.processor() or '?'}:{os.cpu_count()}"
+
+
+def profile_key(engine, context_len: int) -> str | None:
+    """The cache key of this engine's profile; None when the checkpoint has no path."""
+    path = getattr(engine.model, "path", None)
+    if path is None or not Path(path).is_dir():
+        return None
+    parts = [device_name(engine.device), str(engine.dtype), str(torch.get_num_threads()),
+             str(engine.gamma_max), str(context_len), checkpoint_fingerprint(path)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def load_profile(key: str | None) -> list[StepRecord] | None:
+    if key is None:
+        return None
+    try:
+        body = json.loads((cache_dir() / f"{key}.json").read_text())
+        if body.get("format") != _FORMAT:
+            return None
+        return [StepRecord(**r) for r in body["records"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_profile(key: str | None, records: list[StepRecord]) -> None:
+    if key is None:
+        return
+    try:
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"format": _FORMAT, "records": [asdict(r) for r in records]}))
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError:
+        pass
+
+
+def ensure_profile(engine, context_len: int = 128, rows: int | None = None) -> None:
+    """Give `engine.costs` a profile of every batch size of `rows_grid(rows)` (default: up to
+    max_batch_size): those it lacks are taken from the disk cache, else measured and cached.
+    A stale profile is replaced whole, by measuring (the cache holds what went stale)."""
+    costs = engine.costs
+    stale = costs.needs_profile()
+    have = set() if stale else {r.rows for r in costs.profile}
+    missing = [r for r in rows_grid(min(rows or engine.max_batch_size, engine.max_batch_size)) if r not in have]
+    if not missing:
+        return
+    key = profile_key(engine, context_len)
+    on_disk = load_profile(key) or []
+    cached = [r for r in on_disk if r.rows in missing] if costs.profiles_taken == 0 or not stale else []
+    measure = [r for r in missing if r not in {c.rows for c in cached}]
+    measured = (profile_costs(engine, engine.max_batch_size, engine.gamma_max, context_len, rows_list=measure)
+                if measure else [])
+    if measured:
+        save_profile(key, [r for r in on_disk if r.rows not in measure] + measured)
+    if stale:
+        costs.set_profile(cached + measured)
+    else:
+        costs.extend_profile(cached + measured)
+    costs.profile_cached = not measured
