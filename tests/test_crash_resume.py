@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from pipeline.config import RunConfig
 from pipeline.data.outputs import error_results, output_table
 from pipeline.data.record import open_run
+from pipeline.data.stats_files import read_stats
 from pipeline.recipes import CONF_DIR, REPO_ROOT
 from pipeline.run import register_resolvers, run_recipe
 from tests.tiny_models import tiny_checkpoint
@@ -124,7 +125,7 @@ def test_killed_run_resumes_without_redoing_committed_shards(job, tmp_path):
     assert manifest["status"] == "finished" and manifest["resumed_at"]
     assert manifest["totals"]["rows"] == NUM_ROWS
     assert not [p for p in run_dir.rglob("*.tmp-*")]                # no half-written file left
-    stats = pq.read_table(run_dir / "stats" / "shards.parquet")
+    stats = read_stats(run_dir)
     assert sorted(stats["shard_id"].to_pylist()) == list(range(num_shards))
 
 
