@@ -78,6 +78,8 @@ def main() -> None:
         n = len(times)
         if n in args.at:
             held[n] = tracemalloc.get_traced_memory()[0]
+            print(f"{n} committed: {1e3 * statistics.median(times[-args.window:]):.2f} ms per commit, "
+                  f"heap held {held[n] / 1e6:.2f} MB", flush=True)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     record.save("finished")
