@@ -1,6 +1,8 @@
 """`manifest.json`: resolved config and hash, package versions, status, totals, shard list.
 
-Rewritten atomically each time a shard commits, so a run in progress can be read.
+Rewritten atomically each time a shard commits, so a run in progress can be read; while the
+run goes on it holds totals and progress counts (a size that does not grow with the run), and
+the per-shard list is added when the run stops (record.py).
 """
 from __future__ import annotations
 
