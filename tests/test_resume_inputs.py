@@ -53,6 +53,8 @@ def test_unchanged_inputs_resume(run):
     _, _, reopen = run
     record = reopen(resume=True)
     assert [s.shard_id for s in record.pending()] == [1]
+    assert [r["shard_id"] for r in record.committed_stats()] == [0]
+    assert record.totals()["rows"] == 4
 
 
 def test_new_weights_of_the_same_shapes_are_refused(run):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 
@@ -97,6 +97,12 @@ class RunRecord:
         self.failed.discard(shard.shard_id)
         write_shard_stats(self.store, shard.shard_id, stats_rows)
         self.save("running")
+
+    def committed_stats(self) -> Iterator[dict]:
+        """The committed shards' stats rows, read back one shard at a time from the parts'
+        metadata (e.g. a resumed run's evidence); the driver does not hold them."""
+        for path in self.committed.values():
+            yield from part_stats(str(path), self.store.fs)
 
     def totals(self) -> dict[str, Any]:
         t = self.run_totals.to_dict(self.session_tokens, time.perf_counter() - self.session_start)
