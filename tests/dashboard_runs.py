@@ -1,7 +1,7 @@
 """Run directories for the dashboard tests, written by the real writers: `open_run` plans the
 run and writes the manifest, `process_shard` runs the real engine on a tiny checkpoint,
 `failed_shard_result` is what the driver commits after the last attempt, and `RunRecord.commit`
-/ `save` write the parts, stats/shards.parquet and manifest.json.
+/ `save` write the parts, the stats/ files and manifest.json.
 
 - empty: planned, nothing committed yet (a run that has just started);
 - one: one shard of two tasks, gamma auto, finished;

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import RunConfig
+from pipeline.data.stats_files import read_stats
 from tests.tiny_models import tiny_checkpoint
 
 ray = pytest.importorskip("ray")
@@ -85,7 +86,7 @@ def test_ray_kill_mid_shard_costs_only_that_shard(ray_session, tmp_path):
     table = ds.dataset(str(tmp_path / "run" / "outputs"), format="parquet").to_table()
     assert sorted(table["id"].to_pylist()) == list(range(12))       # every id exactly once
     assert table["error"].null_count == 12
-    stats = pq.read_table(tmp_path / "run" / "stats" / "shards.parquet").to_pylist()
+    stats = read_stats(tmp_path / "run").to_pylist()
     attempts = {s["shard_id"]: s["attempt"] for s in stats}
     assert attempts == {0: 1, 1: 1, 2: 2, 3: 1}                     # row 7 is in shard 2
     killed_id = killed[0]._actor_id.hex()

@@ -1,6 +1,11 @@
 """Bad input: a clear message naming the problem, before Ray starts and before anything is
 written to output.dir; bad rows become error rows (or truncated rows) beside good rows."""
 import os
+import shutil
+import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -84,13 +89,52 @@ def test_bad_input_is_a_message_and_nothing_is_written(model, tmp_path, capsys, 
     assert written == []                                  # no manifest, outputs or stats
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_file_is_named(model, tmp_path, capsys):
-    data = tmp_path / "locked.parquet"
-    pq.write_table(good_table(), data)
-    data.chmod(0)
-    assert run(model, data, tmp_path / "run") == 1
-    assert "locked.parquet" in capsys.readouterr().err
+NOBODY = 65534
+
+
+def exit_code_as_nobody(fn, *args) -> tuple[int, str]:
+    """fn(*args) in a forked child running as user nobody (root reads files whatever their
+    mode, and the tests here run as root); its return value and what it wrote to stderr."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                          # the child: never returns
+        code = 99
+        try:
+            os.close(r)
+            sys.stderr = os.fdopen(w, "w", buffering=1)       # pytest captures sys.stderr
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = int(fn(*args))
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        err = f.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), err
+
+
+def test_unreadable_file_is_named(tmp_path, capsys):
+    public = Path(tempfile.mkdtemp(prefix="unreadable-", dir="/tmp"))   # nobody can reach it
+    try:
+        public.chmod(0o755)
+        model = tiny_checkpoint(str(public), arch="llama", num_mtp_layers=1, max_position_embeddings=48)
+        data = public / "locked.parquet"
+        pq.write_table(good_table(), data)
+        data.chmod(0)
+        if os.geteuid() == 0:
+            code, err = exit_code_as_nobody(run, model, data, public / "run")
+        else:
+            code, err = run(model, data, public / "run"), capsys.readouterr().err
+        assert code == 1, err
+        assert "locked.parquet" in err and "Traceback" not in err
+        assert not (public / "run").exists()
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
 
 
 def test_the_corrupt_file_of_a_folder_is_named(model, tmp_path, capsys):

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.recipes import REPO_ROOT
+from pipeline.data.stats_files import read_stats
 from tests.local_cluster import BIN, LocalCluster, node_env
 
 pytest.importorskip("ray")
@@ -59,7 +60,7 @@ def test_ray_job_submit_runs_summarize_on_two_nodes(cluster, tmp_path):
     table = ds.dataset(str(out / "outputs"), format="parquet").to_table()
     assert sorted(table["id"].to_pylist()) == rows["id"]          # every row, exactly once
     assert table["error"].null_count == NUM_ROWS
-    stats = pq.read_table(out / "stats" / "shards.parquet")
+    stats = read_stats(out)
     assert sorted(stats["shard_id"].to_pylist()) == list(range(NUM_ROWS // 2))
     assert len(set(stats["node_id"].to_pylist())) == 2           # actors ran on both nodes
     assert len(set(stats["actor_id"].to_pylist())) == 2

@@ -16,6 +16,7 @@ from pipeline.config import OUTPUT_COLUMNS, RunConfig, UserError
 from pipeline.data.outputs import STATS_SCHEMA
 from pipeline.recipes import CONF_DIR, REPO_ROOT
 from pipeline.run import register_resolvers
+from pipeline.data.stats_files import read_stats
 
 ray = pytest.importorskip("ray")
 
@@ -84,7 +85,7 @@ def test_run_then_resume(assets, ray_session, tmp_path):
     assert all(by_id[i] == assets["rows"]["reference"][int(i[4:])] for i in expected)
     assert all(p.startswith("Summarize:\nthe quick brown fox") for p in table["prompt"].to_pylist())
 
-    stats = pq.read_table(out_dir / "stats" / "shards.parquet")
+    stats = read_stats(out_dir)
     assert stats.schema.names[:len(DESIGN_STATS)] == DESIGN_STATS
     assert stats.schema.equals(STATS_SCHEMA)
     num_shards = -(-len(expected) // 3)
@@ -112,7 +113,7 @@ def test_run_then_resume(assets, ray_session, tmp_path):
     assert manifest["status"] == "finished"
     assert manifest["totals"]["tokens_per_s"] == first_tok_s   # the measurement is kept
     assert part_mtimes(out_dir) == before
-    assert pq.read_table(out_dir / "stats" / "shards.parquet").equals(stats)
+    assert read_stats(out_dir).equals(stats)
 
     # lose one shard: resume redoes that shard only
     (out_dir / "outputs" / "part-00001.parquet").unlink()
@@ -195,7 +196,7 @@ def test_actor_deaths_lose_no_rows(assets, ray_session, tmp_path, always):
     table = outputs(tmp_path / "run")
     assert sorted(table["id"].to_pylist()) == list(range(n))
     errors = {i: e for i, e in zip(table["id"].to_pylist(), table["error"].to_pylist()) if e}
-    stats = pq.read_table(tmp_path / "run" / "stats" / "shards.parquet").to_pylist()
+    stats = read_stats(tmp_path / "run").to_pylist()
     crashed_shard = [s for s in stats if s["shard_id"] == 1]
     assert [s["attempt"] for s in stats if s["shard_id"] != 1] == [1, 1]
     if always:   # both whole tries died; probes [3], [4, 5] -> [4], [5] found row 5, so try 7

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from pipeline.config import RunConfig
 from pipeline.data.outputs import error_results, output_table
 from pipeline.data.record import open_run
+from pipeline.data.stats_files import read_stats
 from pipeline.recipes import CONF_DIR, REPO_ROOT
 from pipeline.run import register_resolvers, run_recipe
 from tests.tiny_models import tiny_checkpoint
@@ -124,8 +125,47 @@ def test_killed_run_resumes_without_redoing_committed_shards(job, tmp_path):
     assert manifest["status"] == "finished" and manifest["resumed_at"]
     assert manifest["totals"]["rows"] == NUM_ROWS
     assert not [p for p in run_dir.rglob("*.tmp-*")]                # no half-written file left
-    stats = pq.read_table(run_dir / "stats" / "shards.parquet")
+    stats = read_stats(run_dir)
     assert sorted(stats["shard_id"].to_pylist()) == list(range(num_shards))
+
+
+def test_killed_inside_a_part_write_resumes_with_no_partial_part(job, tmp_path):
+    """Fault injection (pipeline/data/faults.py): the actor writing shard 4's part stops half-way
+    through its temporary file and the whole run is killed there. No reader ever sees a part
+    that is not complete, and the resumed run yields every id exactly once."""
+    overrides, _ = job
+    run_dir = tmp_path / "run"
+    mine = [o for o in overrides if not o.startswith("output.dir")] + [f"output.dir={run_dir}"]
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", SPECBATCH_FAULT_STALL_WRITE="part-00004.parquet")
+    proc = subprocess.Popen(command(mine), cwd=REPO_ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not [p for p in (run_dir / "outputs").glob(".part-00004.parquet.tmp-*") if p.stat().st_size]:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the write of part 4 never started"
+            time.sleep(0.05)
+    finally:
+        kill_everything(proc)
+    partial = list((run_dir / "outputs").glob(".part-00004.parquet.tmp-*"))
+    assert len(partial) == 1 and not (run_dir / "outputs" / "part-00004.parquet").exists()
+    with pytest.raises(Exception):
+        pq.read_table(partial[0])                                     # it really is half a file
+    before = parts(run_dir)
+    assert set(before) == {f"part-{i:05d}.parquet" for i in range(4)}
+    seen = ds.dataset(str(run_dir / "outputs"), format="parquet").to_table()   # what a reader sees
+    assert sorted(seen["id"].to_pylist()) == [f"r{i:03d}" for i in range(4 * PER_SHARD)]
+
+    env.pop("SPECBATCH_FAULT_STALL_WRITE")
+    done = subprocess.run(command(mine + ["resume=true"]), cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = parts(run_dir)
+    assert len(after) == NUM_ROWS // PER_SHARD and {n: after[n] for n in before} == before
+    table = ds.dataset(str(run_dir / "outputs"), format="parquet").to_table()
+    assert sorted(table["id"].to_pylist()) == [f"r{i:03d}" for i in range(NUM_ROWS)]   # each once
+    assert not list(run_dir.rglob("*.tmp-*"))
+    assert sorted(read_stats(run_dir)["shard_id"].to_pylist()) == list(range(NUM_ROWS // PER_SHARD))
 
 
 def run_in_process(overrides):

@@ -15,6 +15,7 @@ from pipeline.data.commit import atomic_write_json, remove_temp_files
 from pipeline.data.manifest import totals
 from pipeline.data.outputs import STATS_SCHEMA, error_results
 from pipeline.data.plan import plan_filtered
+from pipeline.data.stats_files import read_stats
 from pipeline.config import OUTPUT_COLUMNS
 
 TASKS = ["qa", "summarize", "code"]
@@ -171,8 +172,9 @@ def test_error_rows_and_stats_file(tmp_path):
              "gamma_candidates": [], "predicted_goodput": [], "gamma_steps": [1, 0, 5]},
             {"shard_id": 0, "task": "t", "num_rows": 1, "gamma": 2, "mean_acceptance_length": 1.0,
              "num_generated_tokens": 5, "gamma_steps": [0, 0, 3]}]
-    path = write_stats(tmp_path, rows)
-    back = pq.read_table(path)
+    assert write_stats(tmp_path, rows) == tmp_path / "stats"
+    assert sorted(os.listdir(tmp_path / "stats")) == ["shard-00000.parquet", "shard-00001.parquet"]
+    back = read_stats(tmp_path)
     assert back.schema.equals(STATS_SCHEMA)
     assert back["shard_id"].to_pylist() == [0, 1]
     t = totals(rows)

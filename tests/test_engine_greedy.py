@@ -46,12 +46,20 @@ def test_greedy_matches_transformers_for_every_gamma(root, arch, num_heads):
 
 
 def test_auto_gamma_matches_gamma_zero(root):
+    """Past calibration (~500 row-steps; calibration takes 256): the policy decides from
+    measured costs, and every gamma it picks leaves the greedy tokens those of gamma 0."""
     path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
-    prompts = random_prompts([4, 8, 2, 11], 128, seed=2)
-    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2)
-    base = engine.generate(prompts, SamplingParams(max_new_tokens=16), gamma=0)
-    auto = engine.generate(prompts, SamplingParams(max_new_tokens=16), gamma="auto")
+    prompts = random_prompts([4, 8, 2, 11, 6, 3] * 4, 128, seed=2)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=8)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    base = engine.generate(prompts, params, gamma=0)
+    auto = engine.generate(prompts, params, gamma="auto")
     assert [o.token_ids for o in auto] == [o.token_ids for o in base]
+    decisions = engine.last_policy.decisions
+    calibrating = [d for d in decisions if not d.predicted_goodput]
+    decided = [d for d in decisions if d.predicted_goodput and not d.measuring]
+    assert calibrating and decided, "the call must leave calibration and decide from costs"
+    assert len(decided) >= 5 and sum(o.num_drafted_tokens for o in auto) > 0
 
 
 def test_gamma_changes_between_steps(root):

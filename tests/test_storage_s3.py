@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import OUTPUT_COLUMNS, RunConfig, UserError
-from pipeline.data import commit_part, committed_shards, part_stats, read_manifest, write_stats
+from pipeline.data import (commit_part, committed_shards, part_stats, read_manifest,
+                           read_stats, write_stats)
 from pipeline.data.commit import remove_temp_files
-from pipeline.data.storage import hydra_dir, open_store
+from pipeline.data.storage import Store, hydra_dir, open_store
 from pipeline.cluster.model_files import ModelNotVisible, cache_dir_for, model_on_node
 
 moto_server = pytest.importorskip("moto.server")
@@ -75,7 +76,8 @@ def test_commit_list_and_clean_on_s3(s3):
     assert set(committed_shards(run)) == {4}
     assert remove_temp_files(run) == 1
     assert read_manifest(run) is None
-    assert write_stats(run, stats) == f"{BUCKET}/unit/run/stats/shards.parquet"
+    assert write_stats(run, stats) == f"{BUCKET}/unit/run/stats"
+    assert read_stats(run)["shard_id"].to_pylist() == [r["shard_id"] for r in stats]
     assert hydra_dir(run).startswith(os.path.join("runs", "_hydra", "s3_"))
     assert hydra_dir("file:///tmp/x") == "/tmp/x" and hydra_dir("runs/a") == "runs/a"
     assert open_store(run).root == f"{BUCKET}/unit/run"
@@ -162,7 +164,7 @@ def test_run_and_resume_against_s3(s3, assets, ray_session):
     table = ds.dataset(f"{root}/outputs", filesystem=fs, format="parquet").to_table()
     assert sorted(table["id"].to_pylist()) == [f"r{i}" for i in range(assets["rows"])]
     assert tuple(table.column_names) == OUTPUT_COLUMNS and table["error"].null_count == table.num_rows
-    stats = pq.read_table(f"{root}/stats/shards.parquet", filesystem=fs)
+    stats = read_stats(Store(fs, root, root))
     assert sorted(stats["shard_id"].to_pylist()) == [0, 1, 2]
     stored = json.loads(fs.open_input_stream(f"{root}/manifest.json").read())
     assert stored["status"] == "finished" and stored["totals"]["rows"] == assets["rows"]

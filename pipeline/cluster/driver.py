@@ -128,7 +128,7 @@ def run_generation(cfg: RunConfig, resolved: dict[str, Any], progress: bool = Tr
     retries = Retries(cfg.shards.max_attempts)
     bar = Progress(record.total_rows, record.done_rows, enabled=progress)
     metrics = RunMetrics(str(record.run_dir).rstrip("/").rsplit("/", 1)[-1])
-    planner = Planner(cfg, record.stats_rows)
+    planner = Planner(cfg, record.committed_stats())
     status = "failed"
     try:
         pool.wait_ready()

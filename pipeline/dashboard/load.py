@@ -1,7 +1,7 @@
-"""A run directory as the dashboard reads it: manifest.json and stats/shards.parquet.
+"""A run directory as the dashboard reads it: manifest.json and the stats/ folder.
 
-Both are rewritten atomically as shards commit, so they can be read while a run is in progress;
-either may be missing (a run that has not committed anything yet) and the report still renders.
+The manifest is rewritten and each shard's stats file written atomically as shards commit, so
+both can be read while a run is in progress; either may be missing (a run that has not committed anything yet) and the report still renders.
 The run directory may be a local path or a URI (pipeline.data.storage), as `output.dir` may.
 """
 from __future__ import annotations
@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from pipeline.data.commit import MANIFEST, STATS
-from pipeline.data.storage import Store, is_file, open_store, read_bytes
+from pipeline.data.stats_files import read_stats
+from pipeline.data.storage import Store, open_store, read_bytes
 
-STATS_FILE = Path(STATS) / "shards.parquet"
+STATS_FILE = Path(STATS)     # the folder, read as one Parquet dataset
 
 
 @dataclass
@@ -50,10 +49,7 @@ def _clean(value: Any) -> Any:
 
 
 def read_stats_rows(store: Store) -> list[dict[str, Any]]:
-    path = store.path(STATS, STATS_FILE.name)
-    if not is_file(store.fs, path):
-        return []
-    table = pq.read_table(path, filesystem=store.fs)
+    table = read_stats(store)
     return [{k: _clean(v) for k, v in row.items()} for row in table.to_pylist()]
 
 
@@ -72,13 +68,13 @@ def load_run(run_dir: str | Path) -> RunView:
     try:
         view.rows = read_stats_rows(store)
     except Exception as exc:          # a torn or foreign file: show the rest of the run
-        view.problems.append(f"{STATS_FILE}: {exc}")
+        view.problems.append(f"{STATS_FILE}/: {exc}")
     return view
 
 
 def version_token(run_dir: str | Path) -> str:
-    """Changes whenever manifest.json or the stats file is rewritten (for live reloads; a local
-    run directory)."""
+    """Changes whenever manifest.json is rewritten or a stats file is added (a rename into the
+    folder changes its mtime); for live reloads of a local run directory."""
     parts = []
     for rel in (MANIFEST, STATS_FILE):
         try:

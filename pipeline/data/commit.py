@@ -3,8 +3,8 @@
 A shard is committed when `outputs/part-NNNNN.parquet` exists: it is written under a hidden
 temporary name in the same folder and moved to its final name, so readers never see a partial
 file (on an object store the move is copy + delete, and the final key appears only complete).
-The shard's stats rows travel in the part's schema metadata too, so `stats/shards.parquet`
-can always be rebuilt from the committed parts.
+The shard's stats rows travel in the part's schema metadata too, so its `stats/` file
+(stats_files.py) can always be rebuilt from the committed parts.
 
 Paths handed back are `Path`s for a local run directory and filesystem paths
 ('bucket/prefix/outputs/part-00001.parquet') for a remote one.
@@ -28,6 +28,7 @@ STATS = "stats"
 MANIFEST = "manifest.json"
 STATS_KEY = b"specbatch.shard_stats"
 _PART = re.compile(r"^part-(\d{5,})\.parquet$")
+_STATS = re.compile(r"^(shard-\d{5,}|shards)\.parquet$")    # per-shard stats; the old single file
 
 
 def part_name(shard_id: int) -> str:
@@ -82,7 +83,9 @@ def clear_run(run_dir: Where) -> int:
     store = open_store(run_dir)
     removed = remove_temp_files(store)
     doomed = [f"{store.path(OUTPUTS)}/{part_name(i)}" for i in committed_shards(store)]
-    doomed += [store.path(STATS, "shards.parquet"), store.path(MANIFEST), store.path("report.html")]
+    doomed += [f"{store.path(STATS)}/{name}" for name in list_names(store.fs, store.path(STATS))
+               if _STATS.match(name)]
+    doomed += [store.path(MANIFEST), store.path("report.html")]
     for path in doomed:
         if is_file(store.fs, path):
             store.fs.delete_file(path)

@@ -1,13 +1,15 @@
 """`manifest.json`: resolved config and hash, package versions, status, totals, shard list.
 
-Rewritten atomically each time a shard commits, so a run in progress can be read.
+Rewritten atomically each time a shard commits, so a run in progress can be read; while the
+run goes on it holds totals and progress counts (a size that does not grow with the run), and
+the per-shard list is added when the run stops (record.py).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
-from collections import Counter
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
@@ -15,6 +17,7 @@ from typing import Any, Sequence
 from pipeline.data.commit import MANIFEST, atomic_write_json
 from pipeline.data.storage import Where, open_store, read_bytes
 from pipeline.data.plan import Shard
+from pipeline.data.totals import RunTotals
 
 _PACKAGES = ("specbatch", "torch", "transformers", "tokenizers", "safetensors", "pyarrow",
              "ray", "hydra-core", "numpy")
@@ -42,23 +45,9 @@ def totals(stats_rows: Sequence[dict], session_tokens: int = 0,
     shard's steps are its generated tokens / its mean acceptance length). tokens_per_s is the
     throughput of this driver session (a resumed run counts only what it generated itself).
     """
-    rows = sum(r["num_rows"] for r in stats_rows)
-    generated = sum(r.get("num_generated_tokens") or 0 for r in stats_rows)
-    steps = sum((r.get("num_generated_tokens") or 0) / r["mean_acceptance_length"]
-                for r in stats_rows if r.get("mean_acceptance_length"))
-    gamma_steps: Counter = Counter()
-    for r in stats_rows:
-        for g, n in enumerate(r.get("gamma_steps") or ()):
-            if n:
-                gamma_steps[g] += n
-    return {
-        "rows": rows,
-        "rows_with_error": sum(r.get("num_errors") or 0 for r in stats_rows),
-        "generated_tokens": generated,
-        "tokens_per_s": session_tokens / session_wall_s if session_wall_s > 0 else None,
-        "mean_acceptance_length": generated / steps if steps > 0 else None,
-        "gamma_histogram": {str(g): n for g, n in sorted(gamma_steps.items())},  # gamma -> verify steps
-    }
+    t = RunTotals()
+    t.observe(stats_rows)
+    return t.to_dict(session_tokens, session_wall_s)
 
 
 def shard_entries(plan: Sequence[Shard], committed: dict[int, Path | str],
@@ -71,6 +60,14 @@ def shard_entries(plan: Sequence[Shard], committed: dict[int, Path | str],
             entry["file"] = f"outputs/{PurePosixPath(str(committed[shard.shard_id])).name}"
         entries.append(entry)
     return entries
+
+
+def plan_hash(plan: Sequence[Shard]) -> str:
+    """Short hash of the shard plan (every shard's row range): a resume must match it."""
+    h = hashlib.sha256()
+    for s in plan:
+        h.update(f"{s.shard_id},{s.start},{s.stop},{s.num_rows};".encode())
+    return h.hexdigest()[:16]
 
 
 def write_manifest(run_dir: Where, manifest: dict) -> None:

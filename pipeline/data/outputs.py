@@ -1,14 +1,11 @@
 """The output table of a shard (DESIGN.md's columns) and the per-shard stats table."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import pyarrow as pa
 
 from pipeline.config import OUTPUT_COLUMNS
-from pipeline.data.commit import STATS, atomic_write_table
-from pipeline.data.storage import Where, open_store
 
 _COUNTS = ("num_prompt_tokens", "num_generated_tokens", "num_drafted_tokens",
            "num_accepted_tokens")
@@ -81,12 +78,3 @@ def error_results(n: int, message: str) -> list[dict]:
 def stats_table(rows: Sequence[dict]) -> pa.Table:
     return pa.Table.from_pylist([{k: r.get(k) for k in STATS_SCHEMA.names} for r in rows],
                                 schema=STATS_SCHEMA)
-
-
-def write_stats(run_dir: Where, rows: Sequence[dict]) -> Path | str:
-    """Rewrite stats/shards.parquet atomically with every committed shard's rows."""
-    store = open_store(run_dir)
-    path = store.path(STATS, "shards.parquet")
-    ordered = sorted(rows, key=lambda r: (r["shard_id"], str(r.get("task"))))
-    atomic_write_table(path, stats_table(ordered), store.fs)
-    return store.show(path)

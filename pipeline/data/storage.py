@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.data.faults import stall_half_way, stalls
+
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 TEMP_GLOB = ".*.tmp-*"
 
@@ -130,6 +132,8 @@ def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
 def write_table_atomic(fs: pafs.FileSystem, path: str, table: pa.Table) -> None:
     _ensure_parent(fs, path)
     tmp = temp_name(path)
+    if stalls(path):                   # fault injection for tests (faults.py); off unless set
+        stall_half_way(fs, tmp, table)
     pq.write_table(table, tmp, filesystem=fs)
     publish(fs, tmp, path)
 
