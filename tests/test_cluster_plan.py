@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import RunConfig
+from pipeline.data import read_stats
 from pipeline.model.spec_prior import read_spec_prior, write_spec_prior
 
 ray = pytest.importorskip("ray")
@@ -37,7 +38,7 @@ def run(root, model, name):
            "shards": {"rows_per_shard": ROWS_PER_SHARD}, "cluster": {"num_actors": 2, "cpus_per_actor": 1}}
     manifest = run_generation(RunConfig.from_dict(raw), raw, progress=False)
     assert manifest["status"] == "finished"
-    stats = pq.read_table(root / name / "stats" / "shards.parquet").to_pylist()
+    stats = read_stats(root / name).to_pylist()
     assert len(stats) == NUM_SHARDS and {r["task"] for r in stats} == {"default"}
     for r in stats:
         assert all(c in r for c in PLAN_COLUMNS)
