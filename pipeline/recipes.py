@@ -25,17 +25,16 @@ RECIPES: dict[str, str] = {
 
 
 def generate(cfg: Any) -> int:
-    """Recipe `generate`: run the shards (pipeline.cluster.driver), then write RUN_DIR/report.html
-    (pipeline.dashboard) for a run that got as far as its manifest, however it ended."""
-    from omegaconf import OmegaConf
+    """Recipe `generate`: check the inputs and open the run (nothing is written when they are
+    wrong), run the shards (pipeline.cluster.driver), then write RUN_DIR/report.html
+    (pipeline.dashboard), however the run ended."""
+    from pipeline.cluster.driver import open_job, run_job
 
-    from pipeline.cluster.driver import main as run_shards
-
-    run_dir = OmegaConf.select(cfg, "output.dir")
+    run_cfg, record = open_job(cfg)
     try:
-        return run_shards(cfg)
+        return run_job(run_cfg, record)
     finally:
-        write_dashboard(run_dir)
+        write_dashboard(record.run_dir)
 
 
 def write_dashboard(run_dir: Any) -> None:

@@ -2,8 +2,9 @@
 
 `+job=NAME` merges `conf/job/NAME.yaml` over `conf/config.yaml`, which merges over the schema
 built from pipeline/config.py's dataclasses (`register_schema`: every key, its type and its
-default); `job.recipe` names what runs (see pipeline/recipes.py). The run directory is `output.dir`; Hydra keeps its own files in
-`output.dir/.hydra` and never changes the working directory. Without `+job` this prints the
+default); `job.recipe` names what runs (see pipeline/recipes.py). The run directory is
+`output.dir`; Hydra keeps its own files in `output.dir/.hydra` and never changes the working
+directory. Without `+job` this prints the
 available jobs.
 """
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The driver: plan shards, run them on a Ray actor pool, commit as they finish.
 
-`main(cfg)` is what the `generate` recipe (pipeline/recipes.py) runs before it writes the
-dashboard (it starts Ray when `cluster.address` is null and stops it at the end);
-`run_generation(cfg, resolved)` is the library function and expects Ray to be running.
+`open_job(cfg)` checks everything and opens the run directory; `run_job` runs its shards (it
+starts Ray when `cluster.address` is null and stops it at the end); the `generate` recipe
+(pipeline/recipes.py) calls both and then draws the dashboard. `run_generation(cfg, resolved)`
+is the library function and expects Ray to be running.
 """
 from __future__ import annotations
 
@@ -66,16 +67,22 @@ def start_ray(cluster: ClusterConfig) -> bool:
     return True
 
 
-def main(cfg: DictConfig) -> int:
-    """Run the job's shards (the `generate` recipe's first half); the exit status."""
+def open_job(cfg: DictConfig) -> tuple[RunConfig, RunRecord]:
+    """The job's validated config and its opened run directory: every input check, before Ray
+    starts (a problem is a UserError or ConfigError and nothing has been written)."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
     run_cfg = RunConfig.from_dict(resolved)
     check_inputs(run_cfg)
-    record = open_run(run_cfg, resolved)    # every input check, before Ray starts
+    return run_cfg, open_run(run_cfg, resolved)
+
+
+def run_job(run_cfg: RunConfig, record: RunRecord) -> int:
+    """Run the opened job's pending shards on Ray (started here when `cluster.address` is null,
+    and stopped again); the exit status."""
     started = start_ray(run_cfg.cluster)
     try:
-        manifest = run_generation(run_cfg, resolved, record=record)
+        manifest = run_generation(run_cfg, {}, record=record)
     except ActorsKeepDying as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -86,6 +93,11 @@ def main(cfg: DictConfig) -> int:
     print(f"{manifest['status']}: {t['rows']} rows ({t['rows_with_error']} with errors), "
           f"{t['generated_tokens']} tokens -> {run_cfg.output.dir}", file=sys.stderr)
     return 0 if manifest["status"] == "finished" else 1
+
+
+def main(cfg: DictConfig) -> int:
+    """`open_job` then `run_job` (the `generate` recipe also draws the dashboard after them)."""
+    return run_job(*open_job(cfg))
 
 
 def _use_gpus(cfg: RunConfig) -> bool:

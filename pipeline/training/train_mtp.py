@@ -181,8 +181,9 @@ def train_mtp_into(model_dir: Path, train_prompts: list[str], eval_prompts: list
         data = torch.load(seq_path, weights_only=False)
     else:
         t = time.time()
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(dev).eval()
+        tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                  trust_remote_code=False).to(dev).eval()
         data = {"train": greedy_sequences(hf, tok, train_prompts, spec.max_prompt_tokens, spec.max_new_tokens),
                 "eval": greedy_sequences(hf, tok, eval_prompts, spec.max_prompt_tokens, spec.max_new_tokens,
                                          desc="generate (held out)")}
