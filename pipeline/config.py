@@ -104,9 +104,6 @@ class SpecConfig:
                    f"spec.gamma must be 'auto' or an int >= 0, got {self.gamma!r}")
 
 
-SamplingConfig = SamplingParams   # the section's former name, kept for code not yet using SamplingParams
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch_size: int = 32      # rows decoded together by one actor (continuous batching)

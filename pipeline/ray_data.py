@@ -30,7 +30,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, Mapping
 
-from pipeline.config import DataConfig, EngineConfig, ModelConfig, SamplingConfig, SpecConfig
+from pipeline.config import DataConfig, EngineConfig, ModelConfig, SpecConfig
+from pipeline.engine.params import DEFAULT_GAMMA_MAX, SamplingParams
 
 LOADER = "pipeline.cluster.actor:load_engine"
 
@@ -102,9 +103,9 @@ class Processor:
 
 
 def build_processor(model_path: str, prompt_column: str | None = "prompt", template: str | None = None,
-                    sampling: SamplingConfig | Mapping[str, Any] | None = None, gamma: int | str = "auto",
+                    sampling: SamplingParams | Mapping[str, Any] | None = None, gamma: int | str = "auto",
                     draft: str = "auto", concurrency: int | tuple[int, int] = 1, num_gpus: float = 0,
-                    batch_size: int = 64, *, num_cpus: float | None = None, gamma_max: int = 5,
+                    batch_size: int = 64, *, num_cpus: float | None = None, gamma_max: int = DEFAULT_GAMMA_MAX,
                     max_batch_size: int = 32, id_column: str | None = None,
                     task_column: str | None = None, device: str = "auto", dtype: str = "auto",
                     allow_pickle: bool = False, max_restarts: int | None = None, loader: Any = LOADER,
@@ -114,7 +115,7 @@ def build_processor(model_path: str, prompt_column: str | None = "prompt", templ
     model_path: checkpoint folder every node sees, or a URI each node fetches once
     (pipeline/cluster/model_files.py). prompt_column / template: as data.prompt_column /
     data.template (a template such as "Summarize:\\n{text}\\nSummary:" names columns).
-    sampling: SamplingConfig fields (max_new_tokens, temperature, top_p, top_k, seed, stop,
+    sampling: SamplingParams fields (max_new_tokens, temperature, top_p, top_k, seed, stop,
     truncate_prompt). gamma: 'auto' or an int >= 0, gamma_max caps 'auto'. draft: 'auto',
     'mtp', 'ngram' or 'none', passed to the engine where its generate takes `draft` (which
     checks it; else ignored: the engine drafts with its MTP heads). concurrency: actors (or (min, max));
@@ -135,8 +136,8 @@ def build_processor(model_path: str, prompt_column: str | None = "prompt", templ
         from pipeline.data.prompts import template_fields
 
         template_fields(template)                          # a bad template fails here, not per row
-    if not isinstance(sampling, SamplingConfig):
-        sampling = SamplingConfig(**{k: tuple(v) if isinstance(v, list) else v
+    if not isinstance(sampling, SamplingParams):
+        sampling = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v
                                      for k, v in dict(sampling or {}).items()})
     spec = SpecConfig(gamma=gamma, gamma_max=gamma_max)
     stage_kwargs = dict(model=ModelConfig(path=str(model_path), device=device, dtype=dtype,

@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
+from pipeline.data import read_stats
 from pipeline.recipes import CONF_DIR
 from pipeline.run import register_resolvers, run_recipe
 
@@ -37,7 +38,7 @@ def test_generate_on_a_file_with_one_string_column(questions, tmp_path):
     assert table["id"].to_pylist() == [0, 1, 2, 3]                  # one row per input row, by position
     assert table["prompt"].to_pylist() == QUESTIONS[:4]
     assert table["error"].null_count == 4 and all(n > 0 for n in table["num_generated_tokens"].to_pylist())
-    stats = pq.read_table(run_dir / "stats" / "shards.parquet")
+    stats = read_stats(run_dir)
     assert set(stats["task"].to_pylist()) == {"default"}             # no task column: one task
     assert (run_dir / "report.html").is_file()                      # the recipe drew the dashboard
 

@@ -15,7 +15,8 @@ import pytest
 from pipeline.cluster.data_stage import ADDED_COLUMNS, DraftView, generate_table, narrowed, with_draft
 from pipeline.cluster.metrics import metric_points
 from pipeline.cluster.stage_stats import StageStats
-from pipeline.config import DataConfig, SamplingConfig, UserError
+from pipeline.config import DataConfig, UserError
+from pipeline.engine.params import SamplingParams
 from pipeline.engine import RequestOutput
 from pipeline.spec_decode.stats import SpecStats, StepRecord
 
@@ -258,14 +259,14 @@ def test_a_batch_as_the_pipeline_handles_a_shard():
     data = DataConfig(path="<ray.data>", prompt_column=None, template="Q: {text}", task_column="task")
     table = pa.table({"text": ["a", None, "b BOOM", "c", "d"], "task": ["x", "x", "y", "y", "x"]})
     info = {"device": "cpu", "threads": 1}
-    results, rows = generate_table(engine, table, data, SamplingConfig(max_new_tokens=2), 2, info,
+    results, rows = generate_table(engine, table, data, SamplingParams(max_new_tokens=2), 2, info,
                                    priors, stats, keys=[0, 1, 2, 3, 4])
     assert [r["generated_text"] for r in results] == ["Q: A", None, None, "Q: C", "Q: D"]
     assert "null" in results[1]["error"] and "RuntimeError: boom" in results[2]["error"]
     assert engine.calls == [["Q: a", "Q: d"], ["Q: b BOOM", "Q: c"], ["Q: b BOOM"], ["Q: c"]]
     assert {r["task"]: (r["num_rows"], r["num_errors"]) for r in rows} == {"x": (3, 1), "y": (2, 1)}
     assert priors["x"].row_steps == 2 and priors["y"].row_steps == 1
-    generate_table(engine, table.slice(0, 1), data, SamplingConfig(max_new_tokens=2), 2, info,
+    generate_table(engine, table.slice(0, 1), data, SamplingParams(max_new_tokens=2), 2, info,
                    priors, stats, keys=[0])
     assert priors["x"].row_steps == 3                    # evidence kept across batches
     assert stats.summary()["acceptance_by_depth"] == [1.0, 0.0]

@@ -24,6 +24,7 @@ from pipeline.bench.prompts import task_prompts
 from pipeline.bench.repeat import paired, run_order, show_paired
 from pipeline.demo.tasks import TEMPLATES
 from pipeline.engine import Engine, SamplingParams
+from pipeline.engine.params import DEFAULT_GAMMA_MAX
 from pipeline.spec_decode.stats import SpecStats
 
 CONTROL = "gamma=0 again"        # gamma 0 run twice per repetition: the machine's noise floor
@@ -35,7 +36,7 @@ class GammaPolicySpec:
     data_path: str
     tasks: tuple[str, ...] = tuple(TEMPLATES)
     batches: tuple[int, ...] = (1, 48)
-    gamma_max: int = 5
+    gamma_max: int = DEFAULT_GAMMA_MAX
     max_new_tokens: int = 64
     reps: int = 7
     min_prompts: int = 24

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import pyarrow as pa
 
-from pipeline.config import (OUTPUT_COLUMNS, DataConfig, EngineConfig, ModelConfig, SamplingConfig,
-                             UserError)
+from pipeline.config import OUTPUT_COLUMNS, DataConfig, EngineConfig, ModelConfig, UserError
+from pipeline.engine.params import SamplingParams
 from pipeline.cluster.stage_stats import StageStats
 from pipeline.data.outputs import error_results, output_table
 from pipeline.data.prompts import build_prompts, check_columns, row_tasks
@@ -73,7 +73,7 @@ def with_draft(engine: Any, draft: str) -> Any:
     return engine
 
 
-def generate_table(engine: Any, table: pa.Table, data: DataConfig, sampling: SamplingConfig,
+def generate_table(engine: Any, table: pa.Table, data: DataConfig, sampling: SamplingParams,
                    gamma: int | str, info: dict, priors: dict, stats: StageStats | None = None,
                    keys: Sequence[int] | None = None) -> tuple[list[dict], list[dict]]:
     """(one result per row of `table`, one stats row per task), as process_shard does for a
@@ -130,7 +130,7 @@ class GenerateStage:
     (pipeline.cluster.metrics names, tagged run=`run_name`; a batch counts as a shard there)."""
 
     def __init__(self, model: ModelConfig, engine: EngineConfig, data: DataConfig,
-                 sampling: SamplingConfig, gamma: int | str, gamma_max: int, draft: str,
+                 sampling: SamplingParams, gamma: int | str, gamma_max: int, draft: str,
                  num_threads: int | None, loader: Any, collector: Any, run_name: str) -> None:
         from pipeline.cluster.actor import ShardWorker
         from pipeline.cluster.metrics import RunMetrics
