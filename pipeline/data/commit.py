@@ -60,11 +60,17 @@ def commit_part(run_dir: Where, shard_id: int, table: pa.Table,
 
 def committed_shards(run_dir: Where) -> dict[int, Path | str]:
     """shard_id -> part file, for every committed part."""
+    return numbered_files(run_dir, OUTPUTS, _PART)
+
+
+def numbered_files(run_dir: Where, subdir: str, pattern: re.Pattern) -> dict[int, Path | str]:
+    """shard_id -> file, for the files in run_dir/subdir whose name `pattern` matches (group 1:
+    the shard id), in shard order."""
     store = open_store(run_dir)
-    folder = store.path(OUTPUTS)
+    folder = store.path(subdir)
     found = {}
     for name in list_names(store.fs, folder):
-        m = _PART.match(name)
+        m = pattern.match(name)
         if m:
             found[int(m.group(1))] = store.show(f"{folder}/{name}")
     return dict(sorted(found.items()))

@@ -16,7 +16,7 @@ from typing import Sequence
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from pipeline.data.commit import STATS, atomic_write_table
+from pipeline.data.commit import STATS, atomic_write_table, numbered_files
 from pipeline.data.outputs import STATS_SCHEMA, stats_table
 from pipeline.data.storage import Where, is_file, list_names, open_store
 
@@ -51,14 +51,7 @@ def write_stats(run_dir: Where, rows: Sequence[dict]) -> Path | str:
 
 def stats_files(run_dir: Where) -> dict[int, Path | str]:
     """shard_id -> stats file, for every shard's stats file in stats/."""
-    store = open_store(run_dir)
-    folder = store.path(STATS)
-    found = {}
-    for name in list_names(store.fs, folder):
-        m = _STATS_FILE.match(name)
-        if m:
-            found[int(m.group(1))] = store.show(f"{folder}/{name}")
-    return dict(sorted(found.items()))
+    return numbered_files(run_dir, STATS, _STATS_FILE)
 
 
 def read_stats(run_dir: Where) -> pa.Table:
