@@ -26,13 +26,16 @@ def model(tmp_path_factory):
                            max_position_embeddings=48)
 
 
-def run(model, data, out, *overrides):
+def composed(model, data, out, *overrides):
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
+        return compose(config_name="config", overrides=[
             "job.name=t", "job.recipe=generate", f"model.path={model}", f"data.path={data}",
             f"output.dir={out}", "cluster.cpus_per_actor=1", *overrides])
-    return run_recipe(cfg)
+
+
+def run(model, data, out, *overrides):
+    return run_recipe(composed(model, data, out, *overrides))
 
 
 def good_table(n=4):
@@ -94,7 +97,9 @@ NOBODY = 65534
 
 def exit_code_as_nobody(fn, *args) -> tuple[int, str]:
     """fn(*args) in a forked child running as user nobody (root reads files whatever their
-    mode, and the tests here run as root); its return value and what it wrote to stderr."""
+    mode, and the tests here run as root); its return value and what it wrote to stderr.
+    Everything fn needs from the virtual environment must be loaded before the call: CI's
+    venv lives in a mktemp folder that only root can enter."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:                                          # the child: never returns
@@ -127,7 +132,8 @@ def test_unreadable_file_is_named(tmp_path, capsys):
         pq.write_table(good_table(), data)
         data.chmod(0)
         if os.geteuid() == 0:
-            code, err = exit_code_as_nobody(run, model, data, public / "run")
+            cfg = composed(model, data, public / "run")       # Hydra reads its files as root
+            code, err = exit_code_as_nobody(run_recipe, cfg)
         else:
             code, err = run(model, data, public / "run"), capsys.readouterr().err
         assert code == 1, err
