@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.data.storage import (Where, is_file, locate, list_names, open_store, remove_temp,
+from pipeline.data.storage import (Where, delete_files, locate, list_names, open_store, remove_temp,
                                    write_bytes_atomic, write_table_atomic)
 
 OUTPUTS = "outputs"
@@ -92,11 +92,7 @@ def clear_run(run_dir: Where) -> int:
     doomed += [f"{store.path(STATS)}/{name}" for name in list_names(store.fs, store.path(STATS))
                if _STATS.match(name)]
     doomed += [store.path(MANIFEST), store.path("report.html")]
-    for path in doomed:
-        if is_file(store.fs, path):
-            store.fs.delete_file(path)
-            removed += 1
-    return removed
+    return removed + delete_files(store.fs, doomed)
 
 
 def remove_temp_files(run_dir: Where) -> int:

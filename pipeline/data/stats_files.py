@@ -18,7 +18,7 @@ import pyarrow.dataset as ds
 
 from pipeline.data.commit import STATS, atomic_write_table, numbered_files
 from pipeline.data.outputs import STATS_SCHEMA, stats_table
-from pipeline.data.storage import Where, is_file, list_names, open_store
+from pipeline.data.storage import Where, delete_files, list_names, open_store
 
 LEGACY_STATS = "shards.parquet"
 _STATS_FILE = re.compile(r"^shard-(\d{5,})\.parquet$")
@@ -72,20 +72,10 @@ def read_stats(run_dir: Where) -> pa.Table:
 def remove_stats(run_dir: Where, shard_ids: Sequence[int]) -> int:
     """Delete the stats files of these shards; returns how many were there."""
     store = open_store(run_dir)
-    removed = 0
-    for shard_id in shard_ids:
-        path = store.path(STATS, stats_name(shard_id))
-        if is_file(store.fs, path):
-            store.fs.delete_file(path)
-            removed += 1
-    return removed
+    return delete_files(store.fs, [store.path(STATS, stats_name(i)) for i in shard_ids])
 
 
 def remove_legacy_stats(run_dir: Where) -> bool:
     """Delete stats/shards.parquet (the single-file layout); True when it was there."""
     store = open_store(run_dir)
-    path = store.path(STATS, LEGACY_STATS)
-    if is_file(store.fs, path):
-        store.fs.delete_file(path)
-        return True
-    return False
+    return delete_files(store.fs, [store.path(STATS, LEGACY_STATS)]) > 0

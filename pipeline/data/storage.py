@@ -156,14 +156,20 @@ def list_names(fs: pafs.FileSystem, folder: str) -> list[str]:
     return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
 
 
-def remove_temp(fs: pafs.FileSystem, folder: str) -> int:
-    """Delete leftovers of interrupted atomic writes in `folder`; returns how many."""
+def delete_files(fs: pafs.FileSystem, paths) -> int:
+    """Delete those of `paths` that are files; returns how many were."""
     removed = 0
-    for name in list_names(fs, folder):
-        if fnmatch.fnmatch(name, TEMP_GLOB):
-            fs.delete_file(f"{folder}/{name}")
+    for path in paths:
+        if is_file(fs, path):
+            fs.delete_file(path)
             removed += 1
     return removed
+
+
+def remove_temp(fs: pafs.FileSystem, folder: str) -> int:
+    """Delete leftovers of interrupted atomic writes in `folder`; returns how many."""
+    return delete_files(fs, [f"{folder}/{name}" for name in list_names(fs, folder)
+                             if fnmatch.fnmatch(name, TEMP_GLOB)])
 
 
 def hydra_dir(output_dir: str) -> str:
