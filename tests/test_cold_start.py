@@ -58,3 +58,29 @@ def test_a_fresh_engine_takes_its_profile_from_the_disk_cache(shipped, monkeypat
     other = Engine.from_pretrained(bare, device="cpu", max_batch_size=2, gamma_max=2)   # other shapes: measured
     other.ensure_profile()
     assert len(calls) == 1
+
+
+def test_a_small_first_call_with_no_profile_anywhere_measures_on_its_own_steps(shipped, monkeypatch):
+    """No profile in memory or on disk and a call of a few rows: no bare forwards are timed; the
+    policy runs gamma 0, 1 and 2 on real steps, fits the cost model from them and decides from
+    it. The tokens are gamma 0's (greedy)."""
+    _, with_prior = shipped
+    import pipeline.engine.warm_start as warm_start
+    calls = []
+    real_profile = warm_start.profile_costs
+    monkeypatch.setattr(warm_start, "profile_costs", lambda *a, **k: calls.append(a) or real_profile(*a, **k))
+    prompts = random_prompts([5, 9, 3, 7], 128, seed=4)
+    engine = first_auto_call(with_prior, prompts)
+    decisions = engine.last_policy.decisions
+    assert calls == [] and engine.costs.profiles_taken == 0 and not engine.costs.profile
+    assert [d.gamma for d in decisions[:3]] == [0, 1, 2]
+    assert all(d.measuring and not d.predicted_goodput for d in decisions[:3])
+    assert any(d.predicted_goodput for d in decisions[3:])          # priced by the model the steps fitted
+    plain = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), gamma=0)
+    fresh = Engine.from_pretrained(with_prior, device="cpu", max_batch_size=1, gamma_max=4)
+    again = fresh.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), gamma="auto")
+    assert [o.token_ids for o in again] == [o.token_ids for o in plain]
+
+    big = Engine.from_pretrained(with_prior, device="cpu", max_batch_size=16, gamma_max=4)
+    big.generate(random_prompts([5] * 16, 128, seed=5), SamplingParams(max_new_tokens=4), gamma="auto")
+    assert big.costs.profiles_taken == 1 and calls              # a call of 16 rows is profiled

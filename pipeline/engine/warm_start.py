@@ -28,6 +28,7 @@ from pipeline.spec_decode.plan import scaled_counts
 from pipeline.spec_decode.stats import SpecStats, StepRecord
 
 _FORMAT = 1
+EXPLORE_ROWS = 8        # calls of at most this many rows with nothing profiled measure on their own steps
 
 
 def checkpoint_prior(path) -> SpecStats | None:
@@ -100,20 +101,34 @@ def save_profile(key: str | None, records: list[StepRecord]) -> None:
         pass
 
 
+def explores(engine, batch: int) -> bool:
+    """Whether a call of `batch` rows that finds no profile anywhere measures its costs on its
+    own steps instead: at most EXPLORE_ROWS rows (a profile costs more than such a call's
+    decoding, 0.2-0.5 s of bare forwards on a CPU against a few steps a row), an engine with
+    nothing profiled yet, and gamma_max >= 2 (the policy's exploration, pipeline.spec_decode.policy,
+    runs gamma 0, 1, 2 until the cost model has three shapes to fit)."""
+    return batch <= EXPLORE_ROWS and not engine.costs.profile and engine.gamma_max >= 2
+
+
 def ensure_profile(engine, context_len: int = 128, rows: int | None = None) -> None:
     """Give `engine.costs` a profile of every batch size of `rows_grid(rows)` (default: up to
     max_batch_size): those it lacks are taken from the disk cache, else measured and cached.
-    A stale profile is replaced whole, by measuring (the cache holds what went stale)."""
+    A stale profile is replaced whole, by measuring (the cache holds what went stale). A call
+    of a few `rows` with nothing profiled or cached takes no profile (`explores`): its steps are
+    the measurements, and the model is fitted from them alone."""
     costs = engine.costs
     stale = costs.needs_profile()
     have = set() if stale else {r.rows for r in costs.profile}
-    missing = [r for r in rows_grid(min(rows or engine.max_batch_size, engine.max_batch_size)) if r not in have]
+    batch = min(rows or engine.max_batch_size, engine.max_batch_size)
+    missing = [r for r in rows_grid(batch) if r not in have]
     if not missing:
         return
     key = profile_key(engine, context_len)
     on_disk = load_profile(key) or []
     cached = [r for r in on_disk if r.rows in missing] if costs.profiles_taken == 0 or not stale else []
     measure = [r for r in missing if r not in {c.rows for c in cached}]
+    if measure and not cached and rows is not None and explores(engine, batch):
+        return
     measured = (profile_costs(engine, engine.max_batch_size, engine.gamma_max, context_len, rows_list=measure)
                 if measure else [])
     if measured:

@@ -22,6 +22,9 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   bucket, or they are older than MIN_LOCAL * gap / `remeasure_share` engine steps (gap: how far
   gamma 0 is predicted behind), gamma 0 runs instead, marked `measuring`. A speculative gamma is
   not re-measured while at gamma 0: a mispriced one only delays a gain.
+- No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
+  takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, the
+  three shapes the model is then fitted from.
 - Reuse: a decision stands for `recheck_steps` steps (`recheck_plain_steps` for gamma 0, which
   moves no acceptance estimate) while rows, cost model, context bucket and rows apart are unchanged.
 - The plan: calibration happens once per run, not per actor. The driver's plan
@@ -156,7 +159,7 @@ class GoodputPolicy:
                                          [], [], [], calibrating=True))
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
         if model is None:
-            return self._record(Decision(self.gamma_max, "no cost model yet: measuring", [], [], acc))
+            return self._record(explore(ctx, acc, self.gamma_max))
         d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart)
         if model.local is not None:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
@@ -186,6 +189,23 @@ class GoodputPolicy:
     def _record(self, d: Decision) -> int:
         self.decisions.append(d)
         return d.gamma
+
+
+EXPLORE_GAMMAS = (0, 1, 2)   # the shapes (gamma + 1 verify tokens) a cost model needs before it can be fitted
+
+
+def explore(ctx: StepContext, acceptance: list[float], gamma_max: int) -> Decision:
+    """No cost model yet (a small first call takes no profile: pipeline.engine.warm_start): the
+    next of gamma 0, 1, 2 this call has not run at this batch size, so its steps give the fit the
+    three verify shapes it needs; every such step emits tokens, unlike a profile's forwards.
+    Once all three ran and still no model (nothing fits), plain decoding.
+    Example: a call's first steps at 1 row run gamma 0, then 1, then 2, then the model decides."""
+    ran = {s.gamma for s in ctx.stats.steps if s.rows == ctx.rows}
+    todo = [g for g in EXPLORE_GAMMAS if g <= gamma_max and g not in ran]
+    if not todo:
+        return Decision(0, "no cost model could be fitted: plain decoding", [], [], acceptance)
+    return Decision(todo[0], f"rows={ctx.rows}: no cost profile; measuring gamma {todo[0]} on a real step",
+                    [], [], acceptance, measuring=True)
 
 
 def _add(a: list[int], b: list[int]) -> list[int]:
