@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from pipeline.model.config import ArchConfig
 from pipeline.model.mtp import MTPHead
+from pipeline.model.packed import pack_linears_, packing_pays
 from pipeline.model.target import TargetModel
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -84,8 +85,9 @@ def split_mtp(tensors: dict[str, torch.Tensor], num_layers: int):
 
 def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
                allow_pickle: bool = False) -> LoadedModel:
-    """fuse: merge q|k|v and gate|up projections for inference (the modules then no longer
-    carry checkpoint names; keep False to train or save). allow_pickle: see read_tensors."""
+    """fuse: merge q|k|v and gate|up projections for inference, and on CPU store linears
+    transposed (pipeline.model.packed); the modules then no longer carry checkpoint names, so
+    keep False to train or save. allow_pickle: see read_tensors."""
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"model.path {root} is not a checkpoint directory (no config.json there)")
@@ -118,6 +120,10 @@ def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
     if fuse:
         for layer in [*target.model.layers, *heads]:
             layer.fuse_()
+        if packing_pays(dev):
+            target.pack_()
+            for head in heads:
+                pack_linears_(head)
     return LoadedModel(target, heads, cfg, hf_config, root)
 
 

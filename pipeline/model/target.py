@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
 from pipeline.model.layers import DecoderLayer, RMSNorm
+from pipeline.model.packed import pack_linears_
 
 
 class _Body(nn.Module):
@@ -29,6 +30,14 @@ class TargetModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._hf_config = hf_config
         self.rotary: nn.Module | None = None
+        self.embed_t: torch.Tensor | None = None    # [hidden, vocab]: tied output head, packed
+
+    def pack_(self) -> None:
+        """Inference on CPU: linears stored [in, out], the tied output head too (a transposed copy
+        of the embedding; pipeline.model.packed)."""
+        pack_linears_(self)
+        if self.lm_head is None:
+            self.embed_t = self.model.embed_tokens.weight.detach().t().contiguous()
 
     def init_rotary(self, device) -> None:
         """Rotary frequencies come from transformers' own code, so every RoPE variant matches."""
@@ -58,5 +67,8 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.embed_t is not None:
+            return (hidden @ self.embed_t).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
