@@ -55,3 +55,23 @@ def test_step_costs_reports_every_shape(root):
     assert costs.depth_s() == pytest.approx((costs.draft_s[3] - costs.draft_s[1]) / 2)
     lines = table([costs]).splitlines()
     assert len(lines) == 3 and lines[2].startswith("| 2 | 16 |")
+
+
+def test_step_split_reaches_the_shard_stats_row(root):
+    """draft, verify and host time of every step, summed into the stats row's three columns."""
+    from pipeline.cluster.worker import generate_group
+    from pipeline.data.outputs import STATS_SCHEMA, stats_table
+    from pipeline.engine import SamplingParams
+
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    _, measured, _ = generate_group(engine, prompts, [0, 1, 2], SamplingParams(max_new_tokens=8), 2,
+                                    {"device": "cpu", "threads": 1})
+    steps = engine.last_stats.steps
+    assert steps and all(s.overhead_s > 0 and s.verify_s > 0 and s.draft_s > 0 for s in steps)
+    assert measured["host_time_s"] == pytest.approx(sum(s.overhead_s for s in steps))
+    assert measured["draft_time_s"] == pytest.approx(sum(s.draft_s for s in steps))
+    assert "host_time_s" in STATS_SCHEMA.names
+    row = stats_table([measured]).to_pylist()[0]
+    assert row["host_time_s"] == pytest.approx(measured["host_time_s"])

@@ -27,6 +27,7 @@ STATS_SCHEMA = pa.schema([
     ("tokens_per_s", pa.float64()),                 # generated tokens / wall time
     ("draft_time_s", pa.float64()),
     ("verify_time_s", pa.float64()),
+    ("host_time_s", pa.float64()),                  # beyond DESIGN.md: the steps' time outside draft and verify
     ("wall_time_s", pa.float64()),
     ("utilization", pa.float64()),                  # accelerator or CPU share, 0..1
     ("device", pa.string()),
