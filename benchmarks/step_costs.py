@@ -20,6 +20,16 @@ from pipeline.engine import Engine  # noqa: E402
 DEMO = ROOT / "pipeline" / "assets" / "demo" / "model"
 
 
+def set_draft_vocab(engine, choice: str) -> None:
+    """auto: the checkpoint's own; off: the full vocabulary; N: the first N ids (cost only: what a
+    depth costs does not depend on which N tokens it drafts over)."""
+    if choice == "auto":
+        return
+    ids = None if choice == "off" else torch.arange(int(choice), device=engine.device)
+    for head in engine.heads:
+        head.set_draft_vocab(ids)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEMO)
@@ -34,8 +44,10 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.model, device=args.device)
+    set_draft_vocab(engine, args.draft_vocab)
     results = [measure(engine, r, c, q_max=args.q_max, reps=args.reps) for r in args.rows for c in args.ctx]
-    print(f"model: {args.model}  threads: {torch.get_num_threads()}  device: {engine.device}\n")
+    vd = engine.heads[0].draft_ids.numel() if engine.heads and engine.heads[0].draft_ids is not None else "full"
+    print(f"model: {args.model}  threads: {torch.get_num_threads()}  device: {engine.device}  draft vocab: {vd}\n")
     print(table(results))
 
 

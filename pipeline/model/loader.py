@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from pipeline.model.config import ArchConfig
+from pipeline.model.draft_vocab import load_draft_vocab
 from pipeline.model.mtp import MTPHead
 from pipeline.model.packed import pack_linears_, packing_pays
 from pipeline.model.target import TargetModel
@@ -25,6 +26,7 @@ class LoadedModel:
     config: ArchConfig
     hf_config: object
     path: Path
+    draft_vocab: torch.Tensor | None = None   # [Vd] ids the heads draft over (None: all of V)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -84,7 +86,7 @@ def split_mtp(tensors: dict[str, torch.Tensor], num_layers: int):
 
 
 def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
-               allow_pickle: bool = False) -> LoadedModel:
+               allow_pickle: bool = False, draft_vocab: bool = True) -> LoadedModel:
     """fuse: merge q|k|v and gate|up projections for inference, and on CPU store linears
     transposed (pipeline.model.packed); the modules then no longer carry checkpoint names, so
     keep False to train or save. allow_pickle: see read_tensors."""
@@ -124,7 +126,10 @@ def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
             target.pack_()
             for head in heads:
                 pack_linears_(head)
-    return LoadedModel(target, heads, cfg, hf_config, root)
+    ids = load_draft_vocab(root, cfg.vocab_size) if heads and draft_vocab else None
+    for head in heads:
+        head.set_draft_vocab(ids)
+    return LoadedModel(target, heads, cfg, hf_config, root, None if ids is None else ids.to(dev))
 
 
 def _with_mtp_count(cfg: ArchConfig, k: int) -> ArchConfig:
