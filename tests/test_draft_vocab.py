@@ -139,3 +139,18 @@ def test_sampling_with_a_draft_vocab_matches_the_target_distribution(sampling_se
         assert probs.shape[-1] == VOCAB and (probs[..., outside] == 0).all()      # q scattered to V
     acc = engine.stats.acceptance_by_depth()
     assert 0.05 < acc[0] < 0.95, acc
+
+
+def test_build_draft_vocab_writes_the_top_tokens_and_removes_stale_ones(root, tmp_path):
+    import shutil
+    from pipeline.model.draft_vocab import build_draft_vocab
+    ckpt = shutil.copytree(tiny_checkpoint(root, arch="llama", num_mtp_layers=1, with_tokenizer=False),
+                           tmp_path / "ckpt")
+    seqs = [[7, 7, 7, 9, 9, 4], [9, 7, 11]]
+    path = build_draft_vocab(ckpt, seqs, 3, source="test", always=[2])
+    info = json.loads(path.read_text())
+    assert info["ids"] == [2, 7, 9] and info["coverage"] == pytest.approx(7 / 9)
+    assert load_model(ckpt, fuse=True).heads[0].draft_ids.tolist() == [2, 7, 9]
+    assert build_draft_vocab(ckpt, seqs, 0, source="test") is None
+    assert not (ckpt / "draft_vocab.json").exists()
+    assert load_model(ckpt, fuse=True).heads[0].draft_ids is None

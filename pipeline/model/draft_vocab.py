@@ -71,6 +71,20 @@ def load_draft_vocab(checkpoint_dir, vocab_size: int) -> torch.Tensor | None:
     return ids
 
 
+def build_draft_vocab(checkpoint_dir, sequences: Iterable, size: int, source: str,
+                      always: Iterable[int] = ()) -> Path | None:
+    """Count `sequences` (the heads' corpus), keep the top `size` tokens (and `always`, e.g. EOS)
+    and store them with the heads. size 0, or one that covers the whole vocabulary, stores none
+    (and removes a stale file: new heads must not draft over an old corpus's subset)."""
+    root = Path(checkpoint_dir)
+    vocab_size = json.loads((root / "config.json").read_text())["vocab_size"]
+    (root / FILE).unlink(missing_ok=True)
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = count_tokens(sequences, vocab_size)
+    return save_draft_vocab(root, top_tokens(counts, size, always), source, counts)
+
+
 def full_vocab_probs(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """probs [n, Vd] over the subset -> [n, V], zero outside it."""
     full = probs.new_zeros(probs.shape[0], vocab_size)
