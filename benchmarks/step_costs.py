@@ -2,6 +2,11 @@
 
     python benchmarks/step_costs.py                                  # the demo model, batch 1 and 48
     python benchmarks/step_costs.py --model PATH --rows 1 48 --ctx 64 256 --threads 1
+    python benchmarks/step_costs.py --compare        # lean against baseline, interleaved in one process
+
+--compare loads the checkpoint twice: "lean" as the engine runs it, and "baseline" with this
+branch's step changes switched off (linears in the checkpoint's [out, in] layout, rotary
+computed per forward, full-vocabulary drafts), and times both in one interleaved loop.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ sys.path.insert(0, str(ROOT))       # run as a script from anywhere
 
 import torch  # noqa: E402
 
-from pipeline.bench.step_costs import measure, table  # noqa: E402
+from pipeline.bench.step_costs import measure, measure_many, table  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 DEMO = ROOT / "pipeline" / "assets" / "demo" / "model"
@@ -30,6 +35,18 @@ def set_draft_vocab(engine, choice: str) -> None:
         head.set_draft_vocab(ids)
 
 
+def baseline_engine(model, device: str):
+    """The checkpoint without this branch's step changes: unpacked linears, rotary per forward,
+    full-vocabulary drafts (RMSNorm's fused call gives the same bits and stays)."""
+    from unittest import mock
+    with mock.patch("pipeline.model.loader.packing_pays", lambda _: False):
+        engine = Engine.from_pretrained(model, device=device)
+    engine.target.rope_table = False
+    for head in engine.heads:
+        head.set_draft_vocab(None)
+    return engine
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEMO)
@@ -40,14 +57,26 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--draft-vocab", default="auto", help="auto (the checkpoint's), off, or a size N")
+    ap.add_argument("--compare", action="store_true", help="also time the baseline (see above), interleaved")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.model, device=args.device)
     set_draft_vocab(engine, args.draft_vocab)
-    results = [measure(engine, r, c, q_max=args.q_max, reps=args.reps) for r in args.rows for c in args.ctx]
-    vd = engine.heads[0].draft_ids.numel() if engine.heads and engine.heads[0].draft_ids is not None else "full"
+    ids = getattr(engine.heads[0], "draft_ids", None) if engine.heads else None
+    vd = "full" if ids is None else ids.numel()
     print(f"model: {args.model}  threads: {torch.get_num_threads()}  device: {engine.device}  draft vocab: {vd}\n")
+    if args.compare:
+        engines = {"baseline": baseline_engine(args.model, args.device), "lean": engine}
+        results, names = [], []
+        for r in args.rows:
+            for c in args.ctx:
+                got = measure_many(engines, r, c, q_max=args.q_max, reps=args.reps)
+                results += list(got.values())
+                names += list(got)
+        print(table(results, names))
+        return
+    results = [measure(engine, r, c, q_max=args.q_max, reps=args.reps) for r in args.rows for c in args.ctx]
     print(table(results))
 
 

@@ -154,3 +154,12 @@ def test_build_draft_vocab_writes_the_top_tokens_and_removes_stale_ones(root, tm
     assert build_draft_vocab(ckpt, seqs, 0, source="test") is None
     assert not (ckpt / "draft_vocab.json").exists()
     assert load_model(ckpt, fuse=True).heads[0].draft_ids is None
+
+
+def test_full_vocab_logits_pick_the_same_draft():
+    logits = torch.tensor([[0.5, 2.0, -1.0]])
+    ids = torch.tensor([1, 4, 6])
+    from pipeline.model.draft_vocab import full_vocab_logits, to_full_vocab
+    full = full_vocab_logits(logits, ids, 8)
+    assert full.argmax(-1).tolist() == [4] == to_full_vocab(logits.argmax(-1), None, ids, 8)[0].tolist()
+    assert torch.isinf(full[0, [0, 2, 3, 5, 7]]).all()

@@ -57,17 +57,27 @@ def median_times(fns: dict, reps: int, device) -> dict:
 
 @torch.inference_mode()
 def measure(engine, rows: int, ctx: int, q_max: int = 6, reps: int = 21, draft_gammas=(1, 3, 5)) -> StepCosts:
-    cfg, dev, dt = engine.config, engine.device, engine.dtype
-    capacity = ctx + q_max + 2
-    cache = KVCache(cfg.num_layers, rows, capacity, cfg.num_kv_heads, cfg.head_dim, dt, dev)
-    gen = torch.Generator().manual_seed(0)
-    fns = {("v", q): _verify_fn(engine, cache, rows, ctx, q, gen) for q in range(1, q_max + 1)}
-    if engine.heads:
-        drafter = Drafter(engine.heads, rows, capacity, cfg.hidden_size, dt, dev)
-        fns.update({("d", g): _draft_fn(engine, drafter, rows, ctx, g, gen) for g in draft_gammas})
-    t = median_times(fns, reps, dev)
-    return StepCosts(rows, ctx, {k[1]: v for k, v in t.items() if k[0] == "v"},
-                     {k[1]: v for k, v in t.items() if k[0] == "d"})
+    return measure_many({"": engine}, rows, ctx, q_max, reps, draft_gammas)[""]
+
+
+@torch.inference_mode()
+def measure_many(engines: dict, rows: int, ctx: int, q_max: int = 6, reps: int = 21,
+                 draft_gammas=(1, 3, 5)) -> dict:
+    """name -> StepCosts for several engines, every shape of every engine interleaved in one
+    loop (paired: a shared machine's swings hit all of them alike)."""
+    fns = {}
+    for name, engine in engines.items():
+        cfg, dev, dt = engine.config, engine.device, engine.dtype
+        capacity = ctx + q_max + 2
+        cache = KVCache(cfg.num_layers, rows, capacity, cfg.num_kv_heads, cfg.head_dim, dt, dev)
+        gen = torch.Generator().manual_seed(0)
+        fns.update({(name, "v", q): _verify_fn(engine, cache, rows, ctx, q, gen) for q in range(1, q_max + 1)})
+        if engine.heads:
+            drafter = Drafter(engine.heads, rows, capacity, cfg.hidden_size, dt, dev)
+            fns.update({(name, "d", g): _draft_fn(engine, drafter, rows, ctx, g, gen) for g in draft_gammas})
+    t = median_times(fns, reps, next(iter(engines.values())).device)
+    return {name: StepCosts(rows, ctx, {k[2]: v for k, v in t.items() if k[:2] == (name, "v")},
+                            {k[2]: v for k, v in t.items() if k[:2] == (name, "d")}) for name in engines}
 
 
 def _verify_fn(engine, cache, rows: int, ctx: int, q: int, gen):
@@ -96,16 +106,16 @@ def _draft_fn(engine, drafter, rows: int, ctx: int, g: int, gen):
     return run
 
 
-def table(results: list[StepCosts]) -> str:
-    """Markdown: one line per (rows, ctx)."""
+def table(results: list[StepCosts], names: list[str] | None = None) -> str:
+    """Markdown: one line per (rows, ctx) (and engine, where `names` label them)."""
     qs = sorted(results[0].verify_s)
-    head = ["rows", "ctx", "step ms"] + [f"v({q})/v(1)" for q in qs[1:]] + ["draft(1)/step", "depth/step", "depth ms"]
+    head = (["engine"] if names else []) + ["rows", "ctx", "step ms"] + [f"v({q})/v(1)" for q in qs[1:]] + ["draft(1)/step", "depth/step", "depth ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
+    for i, r in enumerate(results):
         step = r.verify_s[1]
         depth = r.depth_s()
         d1 = r.draft_s.get(1)
-        cells = [str(r.rows), str(r.ctx), f"{1e3 * step:.2f}"] + [f"{r.verify_ratio(q):.2f}" for q in qs[1:]]
+        cells = ([names[i]] if names else []) + [str(r.rows), str(r.ctx), f"{1e3 * step:.2f}"] + [f"{r.verify_ratio(q):.2f}" for q in qs[1:]]
         cells += [f"{d1 / step:.2f}" if d1 else "-", f"{depth / step:.2f}" if depth else "-",
                   f"{1e3 * depth:.2f}" if depth else "-"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -92,6 +92,14 @@ def full_vocab_probs(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) ->
     return full
 
 
+def full_vocab_logits(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """logits [n, Vd] over the subset -> [n, V], -inf outside it: for a pick that must see
+    full-vocabulary columns (noise keyed by token id, as a coupled rule draws it)."""
+    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    full[:, ids] = logits
+    return full
+
+
 def to_full_vocab(tokens: torch.Tensor, probs: torch.Tensor | None, ids: torch.Tensor | None, vocab_size: int):
     """A draft picked over the subset, as full-vocabulary ids (and q scattered to [n, V])."""
     if ids is None:

@@ -33,6 +33,7 @@ class TargetModel(nn.Module):
         self.embed_t: torch.Tensor | None = None    # [hidden, vocab]: tied output head, packed
         self._rope_cos: torch.Tensor | None = None  # [length, head_dim] rotary tables by position
         self._rope_sin: torch.Tensor | None = None
+        self.rope_table = True                      # False: rotary per forward (benchmark baseline)
 
     def pack_(self) -> None:
         """Inference on CPU: linears stored [in, out], the tied output head too (a transposed copy
@@ -54,7 +55,7 @@ class TargetModel(nn.Module):
         if batch.cos is None:
             dummy = self.model.norm.weight
             per_forward = "dynamic" in self.rotary.rope_type or self.rotary.rope_type == "longrope"
-            if per_forward or torch.is_grad_enabled():      # training: no cached inference tensors
+            if per_forward or torch.is_grad_enabled() or not self.rope_table:   # training: no cached inference tensors
                 batch.cos, batch.sin = self.rotary(dummy, batch.positions)      # [n, q, head_dim]
                 return batch
             if self._rope_cos is None or self._rope_cos.shape[0] < batch.kv_len:
