@@ -6,13 +6,16 @@
 Each candidate is a random Llama checkpoint (tied embeddings, one MTP head, head_dim 32, MLP 3x
 hidden) built in a temporary folder; `pipeline.bench.step_costs.measure` times it at batch 1,
 context 64, over the full vocabulary and each `--draft-vocab` size (skipped on trees without
-draft vocabularies). Prints parameters, bf16 size, gamma-0 step ms and depth / step.
+draft vocabularies), and as "baseline" (benchmarks/step_costs.py --compare: this branch's step
+changes off), all variants of a shape interleaved in one loop. Prints parameters, bf16 size,
+gamma-0 step ms and depth / step.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +23,7 @@ sys.path.insert(0, str(ROOT))       # run as a script from anywhere
 
 import torch  # noqa: E402
 
-from pipeline.bench.step_costs import measure  # noqa: E402
+from pipeline.bench.step_costs import baseline_engine, measure_many  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.model.tiny import make_tiny_checkpoint  # noqa: E402
 
@@ -43,25 +46,28 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-vocab", type=int, nargs="*", default=[2048, 1024])
     ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="as in benchmarks/step_costs.py")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print("| shape | params (M) | bf16 MB | step ms | vocab | depth ms | depth/step |")
+    print("| shape | params (M) | bf16 MB | variant | step ms | depth ms | depth/step |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             layers, hidden = (int(x) for x in shape.split("x"))
-            engine = Engine.from_pretrained(build(Path(tmp), layers, hidden, args.vocab), device="cpu")
-            params = sum(p.numel() for p in engine.target.parameters())
-            params += sum(p.numel() for h in engine.heads for p in h.parameters())
-            sizes = [None] + (args.draft_vocab if hasattr(engine.heads[0], "set_draft_vocab") else [])
-            for vd in sizes:
-                if hasattr(engine.heads[0], "set_draft_vocab"):
-                    engine.heads[0].set_draft_vocab(None if vd is None else torch.arange(vd))
-                c = measure(engine, rows=1, ctx=64, q_max=1, reps=args.reps, draft_gammas=(1, 3))
+            path = build(Path(tmp), layers, hidden, args.vocab)
+            engines = {"baseline": baseline_engine(path, "cpu"), "lean": Engine.from_pretrained(path, device="cpu")}
+            for vd in args.draft_vocab:
+                engines[f"lean, Vd {vd}"] = Engine.from_pretrained(path, device="cpu")
+                engines[f"lean, Vd {vd}"].heads[0].set_draft_vocab(torch.arange(vd))
+            lean = engines["lean"]
+            params = sum(p.numel() for p in lean.target.parameters() if p is not lean.target.embed_t)
+            params += sum(p.numel() for h in lean.heads for p in h.parameters())
+            costs = measure_many(engines, rows=1, ctx=64, q_max=1, reps=args.reps, draft_gammas=(1, 3),
+                                 clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
+            for name, c in costs.items():
                 step, depth = c.verify_s[1], c.depth_s()
-                print(f"| {shape} | {params / 1e6:.2f} | {2 * params / 1e6:.1f} | {1e3 * step:.2f} | "
-                      f"{vd or 'full'} | {1e3 * depth:.2f} | {depth / step:.2f} |", flush=True)
-
+                print(f"| {shape} | {params / 1e6:.2f} | {2 * params / 1e6:.1f} | {name} | {1e3 * step:.2f} | "
+                      f"{1e3 * depth:.2f} | {depth / step:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

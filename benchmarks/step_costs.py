@@ -11,6 +11,8 @@ computed per forward, full-vocabulary drafts), and times both in one interleaved
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ sys.path.insert(0, str(ROOT))       # run as a script from anywhere
 
 import torch  # noqa: E402
 
-from pipeline.bench.step_costs import measure, measure_many, table  # noqa: E402
+from pipeline.bench.step_costs import baseline_engine, measure, measure_many, table  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 DEMO = ROOT / "pipeline" / "assets" / "demo" / "model"
@@ -35,18 +37,6 @@ def set_draft_vocab(engine, choice: str) -> None:
         head.set_draft_vocab(ids)
 
 
-def baseline_engine(model, device: str):
-    """The checkpoint without this branch's step changes: unpacked linears, rotary per forward,
-    full-vocabulary drafts (RMSNorm's fused call gives the same bits and stays)."""
-    from unittest import mock
-    with mock.patch("pipeline.model.loader.packing_pays", lambda _: False):
-        engine = Engine.from_pretrained(model, device=device)
-    engine.target.rope_table = False
-    for head in engine.heads:
-        head.set_draft_vocab(None)
-    return engine
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEMO)
@@ -57,6 +47,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--draft-vocab", default="auto", help="auto (the checkpoint's), off, or a size N")
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
+                    help="per-shape statistic over the repetitions (min: least disturbed, on a shared machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: the thread's CPU time (one torch thread on a shared CPU machine)")
     ap.add_argument("--compare", action="store_true", help="also time the baseline (see above), interleaved")
     args = ap.parse_args(argv)
     if args.threads:
@@ -65,18 +59,21 @@ def main(argv=None) -> None:
     set_draft_vocab(engine, args.draft_vocab)
     ids = getattr(engine.heads[0], "draft_ids", None) if engine.heads else None
     vd = "full" if ids is None else ids.numel()
-    print(f"model: {args.model}  threads: {torch.get_num_threads()}  device: {engine.device}  draft vocab: {vd}\n")
+    print(f"model: {args.model}  threads: {torch.get_num_threads()}  device: {engine.device}  draft vocab: {vd}  "
+          f"{args.stat} of {args.reps}, {args.clock} clock\n")
+    stat = min if args.stat == "min" else statistics.median
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.compare:
         engines = {"baseline": baseline_engine(args.model, args.device), "lean": engine}
         results, names = [], []
         for r in args.rows:
             for c in args.ctx:
-                got = measure_many(engines, r, c, q_max=args.q_max, reps=args.reps)
+                got = measure_many(engines, r, c, q_max=args.q_max, reps=args.reps, stat=stat, clock=clock)
                 results += list(got.values())
                 names += list(got)
         print(table(results, names))
         return
-    results = [measure(engine, r, c, q_max=args.q_max, reps=args.reps) for r in args.rows for c in args.ctx]
+    results = [measure(engine, r, c, q_max=args.q_max, reps=args.reps, stat=stat, clock=clock) for r in args.rows for c in args.ctx]
     print(table(results))
 
 

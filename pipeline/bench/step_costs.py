@@ -40,29 +40,33 @@ class StepCosts:
         return (self.draft_s[g[-1]] - self.draft_s[g[0]]) / (g[-1] - g[0])
 
 
-def median_times(fns: dict, reps: int, device) -> dict:
-    """name -> median seconds of fns[name](), interleaved over `reps` repetitions."""
+def median_times(fns: dict, reps: int, device, stat=statistics.median, clock=time.perf_counter) -> dict:
+    """name -> median (or `stat`, e.g. min) seconds of fns[name](), interleaved over `reps`
+    repetitions. `clock`: time.perf_counter (wall), or time.thread_time on a CPU run with one
+    torch thread: the thread's own CPU time leaves out what other processes of a shared machine
+    took while it waited (but not what they do to its caches)."""
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()                                   # warm-up (allocator, kernels)
     _sync(device)
     for rep in range(reps):
         for name in run_order(list(fns), rep):
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[name]()
             _sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            times[name].append(clock() - t0)
+    return {name: stat(ts) for name, ts in times.items()}
 
 
 @torch.inference_mode()
-def measure(engine, rows: int, ctx: int, q_max: int = 6, reps: int = 21, draft_gammas=(1, 3, 5)) -> StepCosts:
-    return measure_many({"": engine}, rows, ctx, q_max, reps, draft_gammas)[""]
+def measure(engine, rows: int, ctx: int, q_max: int = 6, reps: int = 21, draft_gammas=(1, 3, 5),
+            stat=statistics.median, clock=time.perf_counter) -> StepCosts:
+    return measure_many({"": engine}, rows, ctx, q_max, reps, draft_gammas, stat, clock)[""]
 
 
 @torch.inference_mode()
 def measure_many(engines: dict, rows: int, ctx: int, q_max: int = 6, reps: int = 21,
-                 draft_gammas=(1, 3, 5)) -> dict:
+                 draft_gammas=(1, 3, 5), stat=statistics.median, clock=time.perf_counter) -> dict:
     """name -> StepCosts for several engines, every shape of every engine interleaved in one
     loop (paired: a shared machine's swings hit all of them alike)."""
     fns = {}
@@ -75,9 +79,23 @@ def measure_many(engines: dict, rows: int, ctx: int, q_max: int = 6, reps: int =
         if engine.heads:
             drafter = Drafter(engine.heads, rows, capacity, cfg.hidden_size, dt, dev)
             fns.update({(name, "d", g): _draft_fn(engine, drafter, rows, ctx, g, gen) for g in draft_gammas})
-    t = median_times(fns, reps, next(iter(engines.values())).device)
+    t = median_times(fns, reps, next(iter(engines.values())).device, stat, clock)
     return {name: StepCosts(rows, ctx, {k[2]: v for k, v in t.items() if k[:2] == (name, "v")},
                             {k[2]: v for k, v in t.items() if k[:2] == (name, "d")}) for name in engines}
+
+
+def baseline_engine(model, device: str):
+    """The checkpoint without this branch's step changes: unpacked linears, rotary per forward,
+    full-vocabulary drafts (RMSNorm's fused call gives the same bits and stays)."""
+    from unittest import mock
+
+    from pipeline.engine import Engine
+    with mock.patch("pipeline.model.loader.packing_pays", lambda _: False):
+        engine = Engine.from_pretrained(model, device=device)
+    engine.target.rope_table = False
+    for head in engine.heads:
+        head.set_draft_vocab(None)
+    return engine
 
 
 def _verify_fn(engine, cache, rows: int, ctx: int, q: int, gen):
