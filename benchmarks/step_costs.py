@@ -73,7 +73,8 @@ def main(argv=None) -> None:
                 names += list(got)
         print(table(results, names))
         return
-    results = [measure(engine, r, c, q_max=args.q_max, reps=args.reps, stat=stat, clock=clock) for r in args.rows for c in args.ctx]
+    results = [measure(engine, r, c, q_max=args.q_max, reps=args.reps, stat=stat, clock=clock)
+               for r in args.rows for c in args.ctx]
     print(table(results))
 
 

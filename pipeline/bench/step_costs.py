@@ -127,13 +127,15 @@ def _draft_fn(engine, drafter, rows: int, ctx: int, g: int, gen):
 def table(results: list[StepCosts], names: list[str] | None = None) -> str:
     """Markdown: one line per (rows, ctx) (and engine, where `names` label them)."""
     qs = sorted(results[0].verify_s)
-    head = (["engine"] if names else []) + ["rows", "ctx", "step ms"] + [f"v({q})/v(1)" for q in qs[1:]] + ["draft(1)/step", "depth/step", "depth ms"]
+    head = (["engine"] if names else []) + ["rows", "ctx", "step ms"]
+    head += [f"v({q})/v(1)" for q in qs[1:]] + ["draft(1)/step", "depth/step", "depth ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(results):
         step = r.verify_s[1]
         depth = r.depth_s()
         d1 = r.draft_s.get(1)
-        cells = ([names[i]] if names else []) + [str(r.rows), str(r.ctx), f"{1e3 * step:.2f}"] + [f"{r.verify_ratio(q):.2f}" for q in qs[1:]]
+        cells = ([names[i]] if names else []) + [str(r.rows), str(r.ctx), f"{1e3 * step:.2f}"]
+        cells += [f"{r.verify_ratio(q):.2f}" for q in qs[1:]]
         cells += [f"{d1 / step:.2f}" if d1 else "-", f"{depth / step:.2f}" if depth else "-",
                   f"{1e3 * depth:.2f}" if depth else "-"]
         lines.append("| " + " | ".join(cells) + " |")

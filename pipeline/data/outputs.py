@@ -27,7 +27,6 @@ STATS_SCHEMA = pa.schema([
     ("tokens_per_s", pa.float64()),                 # generated tokens / wall time
     ("draft_time_s", pa.float64()),
     ("verify_time_s", pa.float64()),
-    ("host_time_s", pa.float64()),                  # beyond DESIGN.md: the steps' time outside draft and verify
     ("wall_time_s", pa.float64()),
     ("utilization", pa.float64()),                  # accelerator or CPU share, 0..1
     ("device", pa.string()),
@@ -36,6 +35,7 @@ STATS_SCHEMA = pa.schema([
     ("attempt", pa.int64()),
     ("num_generated_tokens", pa.int64()),           # beyond DESIGN.md: for pooled totals
     ("num_errors", pa.int64()),                     # rows whose error is set
+    ("host_time_s", pa.float64()),                  # the steps' time outside draft and verify
     # beyond DESIGN.md, for the dashboard (pipeline/dashboard):
     ("started_at", pa.float64()),                   # unix seconds when the task group began
     ("finished_at", pa.float64()),                  # unix seconds when it ended

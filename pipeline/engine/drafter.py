@@ -105,7 +105,7 @@ class Drafter:
                 key_valid = self.valid[c, :n, :kv_len] | ((keys[:kv_len] >= lo[:, None]) & (keys[:kv_len] <= pos[:, None]))
                 batch = Batch.make(pos[:, None], kv_len=kv_len, key_valid=key_valid)
                 out = head(out[:, None], drafts[-1][:, None], batch, self.cache, c)[:, 0]
-            logits, ids = head.draft_logits(out)                       # ids: draft vocabulary or None
+            logits, ids = head.draft_logits(out)                     # ids: the draft vocabulary or None
             tok, prob = to_full_vocab(*pick(logits, depth), ids, head.vocab_size)
             drafts.append(tok)
             probs.append(prob)
