@@ -82,7 +82,7 @@ class Processor:
     def stats(self) -> dict:
         """{"actors": [one dict per stage actor: actor_id, node_id, device, batches, num_rows,
         num_errors, num_generated_tokens, num_drafted_tokens, num_accepted_tokens, tokens_per_s,
-        acceptance_by_depth, mean_acceptance_length, gamma_steps, generate/draft/verify_time_s],
+        acceptance_by_depth, mean_acceptance_length, gamma_steps, generate/draft/verify/host_time_s],
         "total": the same counters over every actor (tokens_per_s: the actors' rates summed)}.
         Covers every batch of every dataset this processor has mapped so far."""
         from pipeline.cluster.stage_stats import StageStats

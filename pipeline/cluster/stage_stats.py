@@ -25,6 +25,7 @@ class StageStats:
     generate_time_s: float = 0.0          # wall time inside engine.generate (profiling included)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    host_time_s: float = 0.0              # the steps' time outside draft and verify (StepRecord.overhead_s)
     gamma_steps: dict[int, int] = field(default_factory=dict)   # gamma -> verify steps
     reached: list[int] = field(default_factory=list)     # by depth k-1 (SpecStats.reached)
     accepted: list[int] = field(default_factory=list)    # by depth k-1 (SpecStats.accepted)
@@ -37,6 +38,7 @@ class StageStats:
         steps = list(getattr(spec, "steps", []) or [])
         self.draft_time_s += sum(float(getattr(s, "draft_s", 0.0)) for s in steps)
         self.verify_time_s += sum(float(getattr(s, "verify_s", 0.0)) for s in steps)
+        self.host_time_s += sum(float(getattr(s, "overhead_s", 0.0)) for s in steps)
         for gamma, n in Counter(int(s.gamma) for s in steps if hasattr(s, "gamma")).items():
             self.gamma_steps[gamma] = self.gamma_steps.get(gamma, 0) + n
         self._add_counts(list(getattr(spec, "reached", []) or []),
@@ -78,12 +80,12 @@ class StageStats:
             "mean_acceptance_length": self.emitted_tokens / self.row_steps if self.row_steps else None,
             "gamma_steps": dict(sorted(self.gamma_steps.items())),
             "generate_time_s": self.generate_time_s, "draft_time_s": self.draft_time_s,
-            "verify_time_s": self.verify_time_s,
+            "verify_time_s": self.verify_time_s, "host_time_s": self.host_time_s,
         }
 
 
 _SUMMED = ("batches", "rows", "errors", "generated_tokens", "drafted_tokens", "accepted_tokens",
-           "generate_time_s", "draft_time_s", "verify_time_s", "row_steps", "emitted_tokens")
+           "generate_time_s", "draft_time_s", "verify_time_s", "host_time_s", "row_steps", "emitted_tokens")
 
 
 def _pad(xs: list[int], depth: int) -> list[int]:

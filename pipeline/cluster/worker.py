@@ -164,6 +164,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
         "mean_acceptance_length": _finite(stats.mean_acceptance_length()),
         "tokens_per_s": generated / wall if wall > 0 else None,
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),
+        "host_time_s": _finite(getattr(stats, "host_time_s", float("nan"))),   # gamma choice, emits, stop checks
         "utilization": meter.value, "num_generated_tokens": generated,
         "cost_samples": cost_samples(stats.steps),      # for the dashboard's cost-model plot
         "cost_model": cost_model_json(model),

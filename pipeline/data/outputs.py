@@ -35,6 +35,7 @@ STATS_SCHEMA = pa.schema([
     ("attempt", pa.int64()),
     ("num_generated_tokens", pa.int64()),           # beyond DESIGN.md: for pooled totals
     ("num_errors", pa.int64()),                     # rows whose error is set
+    ("host_time_s", pa.float64()),                  # the steps' time outside draft and verify
     # beyond DESIGN.md, for the dashboard (pipeline/dashboard):
     ("started_at", pa.float64()),                   # unix seconds when the task group began
     ("finished_at", pa.float64()),                  # unix seconds when it ended

@@ -2,6 +2,7 @@
 
     python -m pipeline.run +job=build_demo          # the Hydra job (conf/job/build_demo.yaml)
     python -m pipeline.demo.build [--work-dir DIR] [--stages data,tokenizer,base,mtp,eval]
+    python -m pipeline.demo.build --stages vocab    # only a draft vocabulary for the shipped heads
 
 Every stage is seeded and skips work it finds done in `work_dir` (the base model's training
 resumes from its last checkpoint), so an interrupted build continues where it stopped.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
 STAGES = ("data", "tokenizer", "base", "sft", "mtp", "eval")
+EXTRA_STAGES = ("vocab",)   # on request only: a draft vocabulary for heads built before they had one
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class BuildSpec:
     model: dict = field(default_factory=dict)      # BaseModelSpec overrides
     mtp: dict = field(default_factory=dict)        # MTPTrainSpec overrides
     eval: dict = field(default_factory=dict)       # evaluate_acceptance keyword overrides
+    draft_vocab_size: int = 2048      # the "vocab" stage's size (the mtp stage uses mtp.draft_vocab_size)
 
 
 def build(spec: BuildSpec, log=print) -> dict:
@@ -97,6 +100,8 @@ def build(spec: BuildSpec, log=print) -> dict:
         result["mtp"] = train_mtp_into(model_dir, train_p, eval_p, mtp_spec, work / "mtp",
                                        device=str(dev), log=log)
         times["mtp"] = time.time() - t
+    if "vocab" in spec.stages:
+        write_corpus_draft_vocab(Path(spec.model_dir), records, spec.draft_vocab_size, log=log)
     if "eval" in spec.stages:
         from pipeline.demo.evaluate import evaluate_acceptance
         t = time.time()
@@ -109,6 +114,20 @@ def build(spec: BuildSpec, log=print) -> dict:
     (work / "build_result.json").write_text(json.dumps(result, indent=2, default=str))
     log(json.dumps(result, indent=2, default=str))
     return result
+
+
+def write_corpus_draft_vocab(model_dir: Path, records, size: int, log=print):
+    """draft_vocab.json from the base model's training corpus (the tokenizer's texts): the mtp
+    stage writes one from the heads' own training sequences; this one needs no MTP training."""
+    from transformers import AutoTokenizer
+
+    from pipeline.demo.corpus import tokenizer_texts
+    from pipeline.model.draft_vocab import build_draft_vocab
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok(tokenizer_texts(records))["input_ids"]
+    path = build_draft_vocab(model_dir, ids, size, "demo training corpus (tokenizer texts)",
+                             always=[tok.eos_token_id])
+    log(f"draft vocabulary of {size} tokens written to {path}")
 
 
 def _examples(tok_dir: Path, records, block_len: int):
@@ -130,9 +149,9 @@ def spec_from_mapping(m: dict) -> BuildSpec:
             out[k] = Path(out[k])
     if "stages" in out:
         out["stages"] = tuple(out["stages"])
-        bad = set(out["stages"]) - set(STAGES)
+        bad = set(out["stages"]) - set(STAGES + EXTRA_STAGES)
         if bad:
-            raise ValueError(f"unknown stages {sorted(bad)}; known: {STAGES}")
+            raise ValueError(f"unknown stages {sorted(bad)}; known: {STAGES + EXTRA_STAGES}")
     return replace(BuildSpec(), **out)
 
 

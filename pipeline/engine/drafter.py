@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.model.cache import Batch, KVCache
+from pipeline.model.draft_vocab import to_full_vocab
 from pipeline.model.mtp import head_for_depth
 
 
@@ -83,7 +84,8 @@ class Drafter:
     @torch.no_grad()
     def propose(self, n: int, lengths: torch.Tensor, gamma: int, pick):
         """Drafts for active rows 0..n-1. `lengths` [n]: target cache lengths.
-        `pick(logits [n, V], depth) -> (tokens [n], probs [n, V] or None)` samples a draft.
+        `pick(logits [n, V], depth) -> (tokens [n], probs [n, V] or None)` samples a draft (over the
+        heads' draft vocabulary, [n, Vd], where they have one; mapped back to V here).
         Returns (drafts [n, gamma], draft_probs [n, gamma, V] or None)."""
         first_out = torch.empty(n, self.carry.shape[-1], dtype=self.carry.dtype, device=self.carry.device)
         for p in self.pending:
@@ -103,7 +105,8 @@ class Drafter:
                 key_valid = self.valid[c, :n, :kv_len] | ((keys[:kv_len] >= lo[:, None]) & (keys[:kv_len] <= pos[:, None]))
                 batch = Batch.make(pos[:, None], kv_len=kv_len, key_valid=key_valid)
                 out = head(out[:, None], drafts[-1][:, None], batch, self.cache, c)[:, 0]
-            tok, prob = pick(head.logits(out), depth)
+            logits, ids = head.draft_logits(out)                     # ids: the draft vocabulary or None
+            tok, prob = to_full_vocab(*pick(logits, depth), ids, head.vocab_size)
             drafts.append(tok)
             probs.append(prob)
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None

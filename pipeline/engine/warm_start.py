@@ -49,11 +49,12 @@ def cache_dir() -> Path:
 
 
 def checkpoint_fingerprint(path) -> str:
-    """A hash of the checkpoint's config and weight files (names, sizes, first 64 KiB)."""
+    """A hash of the checkpoint's config, weight files and draft vocabulary (names, sizes, first
+    64 KiB): a draft vocabulary changes what a draft depth costs."""
     h = hashlib.sha256()
     root = Path(path)
     for f in sorted(root.glob("*")):
-        if f.name == "config.json" or f.suffix in (".safetensors", ".bin", ".pt"):
+        if f.name in ("config.json", "draft_vocab.json") or f.suffix in (".safetensors", ".bin", ".pt"):
             h.update(f"{f.name}:{f.stat().st_size}".encode())
             with open(f, "rb") as fh:
                 h.update(fh.read(1 << 16))

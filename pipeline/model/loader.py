@@ -11,7 +11,9 @@ from torch import nn
 from transformers import AutoConfig
 
 from pipeline.model.config import ArchConfig
+from pipeline.model.draft_vocab import load_draft_vocab
 from pipeline.model.mtp import MTPHead
+from pipeline.model.packed import pack_linears_, packing_pays
 from pipeline.model.target import TargetModel
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -24,6 +26,7 @@ class LoadedModel:
     config: ArchConfig
     hf_config: object
     path: Path
+    draft_vocab: torch.Tensor | None = None   # [Vd] ids the heads draft over (None: all of V)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -83,9 +86,10 @@ def split_mtp(tensors: dict[str, torch.Tensor], num_layers: int):
 
 
 def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
-               allow_pickle: bool = False) -> LoadedModel:
-    """fuse: merge q|k|v and gate|up projections for inference (the modules then no longer
-    carry checkpoint names; keep False to train or save). allow_pickle: see read_tensors."""
+               allow_pickle: bool = False, draft_vocab: bool = True) -> LoadedModel:
+    """fuse: merge q|k|v and gate|up projections for inference, and on CPU store linears
+    transposed (pipeline.model.packed); the modules then no longer carry checkpoint names, so
+    keep False to train or save. allow_pickle: see read_tensors."""
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"model.path {root} is not a checkpoint directory (no config.json there)")
@@ -118,7 +122,14 @@ def load_model(path, device="cpu", dtype=torch.float32, fuse: bool = False,
     if fuse:
         for layer in [*target.model.layers, *heads]:
             layer.fuse_()
-    return LoadedModel(target, heads, cfg, hf_config, root)
+        if packing_pays(dev):
+            target.pack_()
+            for head in heads:
+                pack_linears_(head)
+    ids = load_draft_vocab(root, cfg.vocab_size) if heads and draft_vocab else None
+    for head in heads:
+        head.set_draft_vocab(ids)
+    return LoadedModel(target, heads, cfg, hf_config, root, None if ids is None else ids.to(dev))
 
 
 def _with_mtp_count(cfg: ArchConfig, k: int) -> ArchConfig:

@@ -42,7 +42,10 @@ class MTPHead(DecoderLayer):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.shared_head = SharedHead(cfg, with_head)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if with_embed else None
+        self.vocab_size = cfg.vocab_size
         self._target: TargetModel | None = None
+        self.draft_ids: torch.Tensor | None = None      # [Vd] the draft vocabulary (None: all V)
+        self.draft_w_t: torch.Tensor | None = None      # [hidden, Vd] its rows of the output head
 
     def bind(self, target: TargetModel) -> "MTPHead":
         """Share the target's embedding, output head and rotary tables (not registered as params)."""
@@ -84,6 +87,32 @@ class MTPHead(DecoderLayer):
         if self.shared_head.head is not None:
             return self.shared_head.head(x).float()
         return self._target.logits(x)
+
+    def draft_logits(self, out: torch.Tensor):
+        """[n, hidden] -> (logits [n, Vd] float32, ids [Vd]) over the draft vocabulary, or
+        (logits [n, V], None) without one (pipeline.model.draft_vocab)."""
+        if self.draft_ids is None:
+            return self.logits(out), None
+        return (self.shared_head.norm(out) @ self.draft_w_t).float(), self.draft_ids
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft over token ids `ids` [Vd] (None: the full vocabulary). Inference only: the
+        subset's output rows are copied (Vd x hidden), not tied to the trained weight."""
+        if ids is None:
+            self.draft_ids = self.draft_w_t = None
+            return
+        weight = _output_weight(self.shared_head.head if self.shared_head.head is not None else self._target)
+        ids = ids.to(weight.device)
+        self.draft_ids, self.draft_w_t = ids, weight.detach()[ids].t().contiguous()
+
+
+def _output_weight(module) -> torch.Tensor:
+    """The [V, hidden] output projection of a head's own linear or of the target."""
+    if isinstance(module, TargetModel):
+        if module.lm_head is None:
+            return module.model.embed_tokens.weight
+        module = module.lm_head
+    return module.weight if hasattr(module, "weight") else module.weight_t.t()
 
 
 def head_for_depth(num_heads: int, depth: int) -> int:

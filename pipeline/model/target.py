@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
 from pipeline.model.layers import DecoderLayer, RMSNorm
+from pipeline.model.packed import pack_linears_
 
 
 class _Body(nn.Module):
@@ -29,15 +30,40 @@ class TargetModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._hf_config = hf_config
         self.rotary: nn.Module | None = None
+        self.embed_t: torch.Tensor | None = None    # [hidden, vocab]: tied output head, packed
+        self._rope_cos: torch.Tensor | None = None  # [length, head_dim] rotary tables by position
+        self._rope_sin: torch.Tensor | None = None
+        self.rope_table = True                      # False: rotary per forward (benchmark baseline)
+
+    def pack_(self) -> None:
+        """Inference on CPU: linears stored [in, out], the tied output head too (a transposed copy
+        of the embedding; pipeline.model.packed)."""
+        pack_linears_(self)
+        if self.lm_head is None:
+            self.embed_t = self.model.embed_tokens.weight.detach().t().contiguous()
 
     def init_rotary(self, device) -> None:
         """Rotary frequencies come from transformers' own code, so every RoPE variant matches."""
         self.rotary = LlamaRotaryEmbedding(self._hf_config).to(device)
+        self._rope_cos = self._rope_sin = None
 
     def attach_rope(self, batch: Batch) -> Batch:
+        """Rotary tables for `batch.positions`: rows of a table computed once per length by
+        transformers' own rotary (one gather per forward instead of a dozen small ops; the same
+        values, each entry being one product and its cos/sin). RoPE types whose frequencies
+        change with the sequence length (dynamic, longrope), and training, compute them per forward."""
         if batch.cos is None:
             dummy = self.model.norm.weight
-            batch.cos, batch.sin = self.rotary(dummy, batch.positions)          # [n, q, head_dim]
+            per_forward = "dynamic" in self.rotary.rope_type or self.rotary.rope_type == "longrope"
+            if per_forward or torch.is_grad_enabled() or not self.rope_table:   # training: no cached inference tensors
+                batch.cos, batch.sin = self.rotary(dummy, batch.positions)      # [n, q, head_dim]
+                return batch
+            if self._rope_cos is None or self._rope_cos.shape[0] < batch.kv_len:
+                held = 0 if self._rope_cos is None else self._rope_cos.shape[0]
+                length = max(batch.kv_len, 2 * held, 256)
+                cos, sin = self.rotary(dummy, torch.arange(length, device=dummy.device)[None])
+                self._rope_cos, self._rope_sin = cos[0], sin[0]                 # [length, head_dim]
+            batch.cos, batch.sin = self._rope_cos[batch.positions], self._rope_sin[batch.positions]
         return batch
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -58,5 +84,8 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.embed_t is not None:
+            return (hidden @ self.embed_t).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()

@@ -82,6 +82,11 @@ class SpecStats:
         return sum(s.draft_s for s in self.steps)
 
     @property
+    def host_time_s(self) -> float:
+        """The steps' time outside the draft and verify forwards (StepRecord.overhead_s)."""
+        return sum(s.overhead_s for s in self.steps)
+
+    @property
     def prefill_time_s(self) -> float:
         return sum(p.seconds for p in self.prefills)
 

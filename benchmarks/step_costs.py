@@ -1,0 +1,82 @@
+"""verify(q)/verify(1) and draft-depth/step ratios of a checkpoint (pipeline/bench/step_costs.py).
+
+    python benchmarks/step_costs.py                                  # the demo model, batch 1 and 48
+    python benchmarks/step_costs.py --model PATH --rows 1 48 --ctx 64 256 --threads 1
+    python benchmarks/step_costs.py --compare        # lean against baseline, interleaved in one process
+
+--compare loads the checkpoint twice: "lean" as the engine runs it, and "baseline" with this
+branch's step changes switched off (linears in the checkpoint's [out, in] layout, rotary
+computed per forward, full-vocabulary drafts), and times both in one interleaved loop.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))       # run as a script from anywhere
+
+import torch  # noqa: E402
+
+from pipeline.bench.step_costs import baseline_engine, measure, measure_many, table  # noqa: E402
+from pipeline.engine import Engine  # noqa: E402
+
+DEMO = ROOT / "pipeline" / "assets" / "demo" / "model"
+
+
+def set_draft_vocab(engine, choice: str) -> None:
+    """auto: the checkpoint's own; off: the full vocabulary; N: the first N ids (cost only: what a
+    depth costs does not depend on which N tokens it drafts over)."""
+    if choice == "auto":
+        return
+    ids = None if choice == "off" else torch.arange(int(choice), device=engine.device)
+    for head in engine.heads:
+        head.set_draft_vocab(ids)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEMO)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 48])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--q-max", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--draft-vocab", default="auto", help="auto (the checkpoint's), off, or a size N")
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
+                    help="per-shape statistic over the repetitions (min: least disturbed, on a shared machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: the thread's CPU time (one torch thread on a shared CPU machine)")
+    ap.add_argument("--compare", action="store_true", help="also time the baseline (see above), interleaved")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine.from_pretrained(args.model, device=args.device)
+    set_draft_vocab(engine, args.draft_vocab)
+    ids = getattr(engine.heads[0], "draft_ids", None) if engine.heads else None
+    vd = "full" if ids is None else ids.numel()
+    print(f"model: {args.model}  threads: {torch.get_num_threads()}  device: {engine.device}  draft vocab: {vd}  "
+          f"{args.stat} of {args.reps}, {args.clock} clock\n")
+    stat = min if args.stat == "min" else statistics.median
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.compare:
+        engines = {"baseline": baseline_engine(args.model, args.device), "lean": engine}
+        results, names = [], []
+        for r in args.rows:
+            for c in args.ctx:
+                got = measure_many(engines, r, c, q_max=args.q_max, reps=args.reps, stat=stat, clock=clock)
+                results += list(got.values())
+                names += list(got)
+        print(table(results, names))
+        return
+    results = [measure(engine, r, c, q_max=args.q_max, reps=args.reps, stat=stat, clock=clock)
+               for r in args.rows for c in args.ctx]
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

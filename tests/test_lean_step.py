@@ -1,0 +1,77 @@
+"""The lean verify step: packed ([in, out]) linears compute what the checkpoint's linears do,
+the loader packs on CPU only for inference, and the step-cost harness reports every shape."""
+import pytest
+import torch
+from torch import nn
+
+from pipeline.bench.step_costs import measure, table
+from pipeline.engine import Engine
+from pipeline.model.loader import load_model
+from pipeline.model.packed import PackedLinear
+from tests.tiny_models import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(linear)
+    for shape in [(1, 48), (3, 5, 48), (7, 1, 48)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(packed(x), linear(x))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loader_packs_for_inference_only(root, tied):
+    path = tiny_checkpoint(root, arch="qwen2", num_mtp_layers=1, with_tokenizer=False, tie_word_embeddings=tied)
+    plain = load_model(path)                                   # training / saving: checkpoint names
+    fused = load_model(path, fuse=True)                        # inference on CPU: packed
+    assert not any(isinstance(m, PackedLinear) for m in plain.target.modules())
+    assert any(isinstance(m, PackedLinear) for m in fused.target.modules())
+    assert any(isinstance(m, PackedLinear) for m in fused.heads[0].modules())
+    assert (fused.target.embed_t is not None) == tied
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        h_plain, h_fused = plain.target.forward_full(ids), fused.target.forward_full(ids)
+        torch.testing.assert_close(h_fused, h_plain)
+        torch.testing.assert_close(fused.target.logits(h_fused), plain.target.logits(h_plain))
+        nxt = torch.randint(0, 128, (2, 9))
+        torch.testing.assert_close(fused.heads[0].logits(fused.heads[0].forward_full(h_fused, nxt)),
+                                   plain.heads[0].logits(plain.heads[0].forward_full(h_plain, nxt)))
+
+
+def test_step_costs_reports_every_shape(root):
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu")
+    costs = measure(engine, rows=2, ctx=16, q_max=3, reps=2, draft_gammas=(1, 3))
+    assert sorted(costs.verify_s) == [1, 2, 3] and sorted(costs.draft_s) == [1, 3]
+    assert all(t > 0 for t in [*costs.verify_s.values(), *costs.draft_s.values()])
+    assert costs.verify_ratio(1) == 1.0
+    assert costs.depth_s() == pytest.approx((costs.draft_s[3] - costs.draft_s[1]) / 2)
+    lines = table([costs]).splitlines()
+    assert len(lines) == 3 and lines[2].startswith("| 2 | 16 |")
+
+
+def test_step_split_reaches_the_shard_stats_row(root):
+    """draft, verify and host time of every step, summed into the stats row's three columns."""
+    from pipeline.cluster.worker import generate_group
+    from pipeline.data.outputs import STATS_SCHEMA, stats_table
+    from pipeline.engine import SamplingParams
+
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    _, measured, _ = generate_group(engine, prompts, [0, 1, 2], SamplingParams(max_new_tokens=8), 2,
+                                    {"device": "cpu", "threads": 1})
+    steps = engine.last_stats.steps
+    assert steps and all(s.overhead_s > 0 and s.verify_s > 0 and s.draft_s > 0 for s in steps)
+    assert measured["host_time_s"] == pytest.approx(sum(s.overhead_s for s in steps))
+    assert measured["draft_time_s"] == pytest.approx(sum(s.draft_s for s in steps))
+    assert "host_time_s" in STATS_SCHEMA.names
+    row = stats_table([measured]).to_pylist()[0]
+    assert row["host_time_s"] == pytest.approx(measured["host_time_s"])
