@@ -109,24 +109,27 @@ class Engine:
         """The cost model fitted from the profile and every measured step (this call's too)."""
         return self.costs.model()
 
-    def ensure_profile(self, context_len: int = 128, rows: int | None = None) -> None:
+    def ensure_profile(self, context_len: int = 128, rows: int | None = None, explore: bool = False) -> None:
         """Profile the accelerator at batch sizes up to `rows` (default max_batch_size), each
         once, from the on-disk cache where it has them, and again whenever the tracker finds
-        the profile stale (pipeline.engine.warm_start)."""
+        the profile stale (pipeline.engine.warm_start). `explore`: a small call may measure on
+        its own steps instead."""
         if self.heads:
-            ensure_profile(self, context_len, rows)
+            ensure_profile(self, context_len, rows, explore)
 
     def note_utilization(self, utilization: float | None) -> None:
         """Utilisation measured over a shard; a large change marks the cost profile stale."""
         self.costs.note_utilization(utilization)
 
     def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128, planned: int | None = None,
-                    calibrate: bool = True, rows: int | None = None) -> GoodputPolicy:
+                    calibrate: bool = True, rows: int | None = None, explore: bool = False) -> GoodputPolicy:
         """A GoodputPolicy over this engine's cost model. `prior`: acceptance measured on earlier
         shards of the same task; where it is short, the checkpoint's spec_prior.json (else the
         policy calibrates at gamma_max first). `planned`, `calibrate`: the driver's plan.
-        `rows`: the call's rows (the profile covers batch sizes up to them)."""
-        self.ensure_profile(context_len, rows)
+        `rows`: the call's rows (the profile covers batch sizes up to them). `explore`: a
+        one-off call (generate's own "auto") that may skip the profile (warm_start.explores);
+        a run's actors profile, since their profile serves every shard and the driver's plans."""
+        self.ensure_profile(context_len, rows, explore)
         policy = GoodputPolicy(self.gamma_max, self.cost_model, prior or SpecStats(), planned=planned,
                                calibrate=calibrate)
         if self.spec_prior is not None and (policy.prior.reached or [0])[0] < policy.calibration_rows:
@@ -165,7 +168,7 @@ class Engine:
             if gamma > 0 and not self.heads:
                 raise ValueError(f"gamma={gamma} needs MTP heads; {self.model.path} has none (use gamma=0)")
         if gamma == "auto" and self.heads and self.gamma_max > 0:
-            return self.auto_policy(prior=self.stats, rows=rows)
+            return self.auto_policy(prior=self.stats, rows=rows, explore=True)
         return make_policy(gamma)
 
     def _make_row(self, index: int, prompt, params: SamplingParams) -> Row:

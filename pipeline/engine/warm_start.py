@@ -111,12 +111,12 @@ def explores(engine, batch: int) -> bool:
     return batch <= EXPLORE_ROWS and not engine.costs.profile and engine.gamma_max >= 2
 
 
-def ensure_profile(engine, context_len: int = 128, rows: int | None = None) -> None:
+def ensure_profile(engine, context_len: int = 128, rows: int | None = None, explore: bool = False) -> None:
     """Give `engine.costs` a profile of every batch size of `rows_grid(rows)` (default: up to
     max_batch_size): those it lacks are taken from the disk cache, else measured and cached.
-    A stale profile is replaced whole, by measuring (the cache holds what went stale). A call
-    of a few `rows` with nothing profiled or cached takes no profile (`explores`): its steps are
-    the measurements, and the model is fitted from them alone."""
+    A stale profile is replaced whole, by measuring (the cache holds what went stale). With
+    `explore`, a call of a few `rows` with nothing profiled or cached takes no profile
+    (`explores`): its steps are the measurements, and the model is fitted from them alone."""
     costs = engine.costs
     stale = costs.needs_profile()
     have = set() if stale else {r.rows for r in costs.profile}
@@ -128,7 +128,7 @@ def ensure_profile(engine, context_len: int = 128, rows: int | None = None) -> N
     on_disk = load_profile(key) or []
     cached = [r for r in on_disk if r.rows in missing] if costs.profiles_taken == 0 or not stale else []
     measure = [r for r in missing if r not in {c.rows for c in cached}]
-    if measure and not cached and rows is not None and explores(engine, batch):
+    if measure and not cached and explore and explores(engine, batch):
         return
     measured = (profile_costs(engine, engine.max_batch_size, engine.gamma_max, context_len, rows_list=measure)
                 if measure else [])
