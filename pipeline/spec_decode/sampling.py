@@ -34,3 +34,17 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     x = (u.double() * cdf[..., -1]).unsqueeze(-1)                     # [..., 1]
     idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def coupled_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max sampling with given noise: argmax_v(log p_v + g_v), g_v = -log(noise_v) Gumbel,
+    computed as argmax_v(p_v / noise_v) (the exponential race; one log fewer per token).
+
+    probs: [..., V] (need not be normalised; temperature, top-k and top-p already applied);
+    noise: [..., V] Exp(1) values (rng.exponential_noise). Returns int64 [...]. With independent
+    noise the token follows probs exactly; with the same noise, the target and a drafter pick
+    the same token wherever their distributions agree enough, which is what coupled verification
+    accepts. A token with zero probability is never returned.
+    Example: probs [0.5, 0.3, 0.2], noise [2.0, 0.5, 1.0] -> ratios [0.25, 0.6, 0.2] -> token 1.
+    """
+    return (probs.float() / noise).argmax(-1)
