@@ -82,18 +82,29 @@ def exponential_noise(seed: int, row_keys: torch.Tensor, positions: torch.Tensor
     the same computed alone or in any batch, and two positions' sequences never overlap in
     practice (64-bit state). u = (top 23 bits + 0.5) / 2^23 lies in [2^-24, 1 - 2^-24] and
     E = -log(u) in [6e-8, 16.6]; -log(E) is then a Gumbel sample.
-    Cost: ~20 passes over the [n, q, V] int64 tensor, in place (decisions.md, 2026-12-01).
+    Cost: ~20 passes over int64 [rows, V], in place; on a CPU in chunks of ~64K values that
+    stay in cache (1.5x faster than one pass over everything; decisions.md, 2026-12-01).
     Example: exponential_noise(0, keys, positions, 6144)[i, j] equals
     exponential_noise(0, keys[i:i+1], positions[i:i+1, j:j+1], 6144)[0, 0].
     """
-    base = counter_hash(seed, row_keys, positions, NOISE) + _GOLDEN                # like positions
-    z = base.unsqueeze(-1) + _strides(vocab, positions.device)                       # [..., V] SplitMix states
+    base = (counter_hash(seed, row_keys, positions, NOISE) + _GOLDEN).reshape(-1)     # [m] first states
+    strides = _strides(vocab, positions.device)                                      # [V]
+    out = torch.empty(base.numel(), vocab, dtype=torch.float32, device=positions.device)   # [m, V]
+    chunk = base.numel() if positions.device.type != "cpu" else max(1, _CHUNK // vocab)
+    z = torch.empty(min(chunk, base.numel()), vocab, dtype=torch.int64, device=positions.device)
     t = torch.empty_like(z)
-    for shift, mult in ((30, _M1), (27, _M2), (31, None)):                          # splitmix64, in place
-        torch.bitwise_right_shift(z, shift, out=t)
-        z.bitwise_xor_(t.bitwise_and_((1 << (64 - shift)) - 1))
-        if mult is not None:
-            z.mul_(mult)
-    z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)                          # top 23 bits
-    u = z.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
-    return u.log_().neg_()
+    for lo in range(0, base.numel(), chunk):
+        hi = min(lo + chunk, base.numel())
+        zc, tc = z[:hi - lo], t[:hi - lo]
+        torch.add(base[lo:hi, None], strides, out=zc)                                # SplitMix64 states
+        for shift, mult in ((30, _M1), (27, _M2), (31, None)):                       # its finaliser, in place
+            torch.bitwise_right_shift(zc, shift, out=tc)
+            zc.bitwise_xor_(tc.bitwise_and_((1 << (64 - shift)) - 1))
+            if mult is not None:
+                zc.mul_(mult)
+        zc.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)                      # top 23 bits
+        out[lo:hi].copy_(zc).add_(0.5).mul_(1.0 / (1 << 23)).log_().neg_()          # u -> -log(u)
+    return out.view(*positions.shape, vocab)
+
+
+_CHUNK = 1 << 16        # noise values per chunk on a CPU (two int64 buffers of 512 KiB)
