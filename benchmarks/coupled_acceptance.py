@@ -53,12 +53,16 @@ def acceptance_table(args) -> str:
                     acc[2] += steps
                     acc[3] += steps * r["mean_acceptance_length"]
                 print(f"T={temperature} seed={seed} {rule}: done", file=sys.stderr, flush=True)
-    lines = [f"| task | T | rule | mean acceptance length | a_1 | a_2 | a_3 | row-steps |",
-             "|---|---|---|---|---|---|---|---|"]
-    for (task, temperature, rule), (reached, accepted, steps, emitted) in pooled.items():
-        a = [f"{x / max(n, 1):.3f}" for x, n in zip(accepted, reached)]
-        lines.append(f"| {task} | {temperature} | {rule} | {emitted / max(steps, 1):.3f} | " + " | ".join(a[:3])
-                     + f" | {int(steps)} |")
+    head = "| task | T | mean acceptance length (coupled / rejection) | " + " | ".join(
+        f"a_{k + 1} (c / r)" for k in range(args.gamma)) + " | row-steps (c / r) |"
+    lines = [head, "|" + "---|" * (args.gamma + 4)]
+    for task in TASKS:
+        for temperature in args.temperatures:
+            c, r = pooled[task, temperature, "coupled"], pooled[task, temperature, "rejection"]
+            cells = [f"{c[3] / max(c[2], 1):.3f} / {r[3] / max(r[2], 1):.3f}"]
+            cells += [f"{c[1][k] / max(c[0][k], 1):.3f} / {r[1][k] / max(r[0][k], 1):.3f}" for k in range(args.gamma)]
+            cells.append(f"{int(c[2])} / {int(r[2])}")
+            lines.append(f"| {task} | {temperature} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
