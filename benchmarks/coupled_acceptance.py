@@ -30,7 +30,7 @@ from pipeline.demo.evaluate import evaluate_acceptance, load_rows  # noqa: E402
 from pipeline.demo.tasks import TASKS  # noqa: E402
 from pipeline.spec_decode import rng  # noqa: E402
 from pipeline.spec_decode.acceptance import coupled_accept, rejection_sample  # noqa: E402
-from pipeline.spec_decode.sampling import coupled_sample, filtered_probs, sample  # noqa: E402
+from pipeline.spec_decode.sampling import coupled_sample, filtered_probs, sample, sparse_coupled_sample  # noqa: E402
 
 DEMO = ROOT / "pipeline" / "assets" / "demo"
 RULES = ("coupled", "rejection")
@@ -88,16 +88,26 @@ def noise_table(args, vocab: int) -> str:
     def noise_only():
         rng.exponential_noise(0, keys, pos, vocab)
 
-    def coupled_step():
-        noise = rng.exponential_noise(0, keys, pos, vocab)                    # drafts reuse columns 0..g-1
-        d = coupled_sample(filtered_probs(draft_logits, T), noise[:, :g])
-        coupled_accept(d, coupled_sample(filtered_probs(target_logits, T), noise))
+    def coupled_step(top_k=0):
+        def step():
+            q, p = filtered_probs(draft_logits, T, top_k), filtered_probs(target_logits, T, top_k)
+            d = sparse_coupled_sample(q, 0, keys, pos[:, :g])
+            if d is None:                                                     # drafts' noise reused
+                noise = rng.exponential_noise(0, keys, pos, vocab)
+                d, t = coupled_sample(q, noise[:, :g]), coupled_sample(p, noise)
+            else:
+                t = sparse_coupled_sample(p, 0, keys, pos)
+            coupled_accept(d, t)
+        return step
 
-    def rejection_step():
-        q = filtered_probs(draft_logits, T)
-        sample(q, rng.uniforms(0, keys, pos[:, :g], rng.DRAFT))
-        p = filtered_probs(target_logits, T)
-        rejection_sample(drafts, q, p, rng.uniforms(0, keys, pos[:, :g], rng.ACCEPT), rng.uniforms(0, keys, pos, rng.TARGET))
+    def rejection_step(top_k=0):
+        def step():
+            q = filtered_probs(draft_logits, T, top_k)
+            sample(q, rng.uniforms(0, keys, pos[:, :g], rng.DRAFT))
+            p = filtered_probs(target_logits, T, top_k)
+            rejection_sample(drafts, q, p, rng.uniforms(0, keys, pos[:, :g], rng.ACCEPT),
+                             rng.uniforms(0, keys, pos, rng.TARGET))
+        return step
 
     def plain(rule):
         p1 = target_logits[:, :1]
@@ -105,9 +115,10 @@ def noise_table(args, vocab: int) -> str:
             return lambda: coupled_sample(filtered_probs(p1, T), rng.exponential_noise(0, keys, pos[:, :1], vocab))
         return lambda: sample(filtered_probs(p1, T), rng.uniforms(0, keys, pos[:, :1], rng.TARGET))
 
-    rows = [("noise alone, gamma + 1 positions", noise_only), ("coupled, whole step", coupled_step),
-            ("rejection, whole step", rejection_step), ("coupled, gamma 0 step", plain("coupled")),
-            ("rejection, gamma 0 step", plain("rejection"))]
+    rows = [("noise alone, gamma + 1 positions", noise_only), ("coupled, whole step", coupled_step()),
+            ("rejection, whole step", rejection_step()), ("coupled, gamma 0 step", plain("coupled")),
+            ("rejection, gamma 0 step", plain("rejection")), ("coupled, whole step, top_k 50", coupled_step(50)),
+            ("rejection, whole step, top_k 50", rejection_step(50))]
     lines = [f"| per-step sampling work ({n} rows, gamma {g}, V={vocab}, T={T}) | ms (min of {reps}) |", "|---|---|"]
     for name, fn in rows:
         fn()

@@ -3,7 +3,7 @@ import torch
 
 from pipeline.spec_decode import rng
 from pipeline.spec_decode.acceptance import coupled_accept
-from pipeline.spec_decode.sampling import coupled_sample, filtered_probs
+from pipeline.spec_decode.sampling import coupled_sample, filtered_probs, sparse_coupled_sample
 from tests.stats_util import chi_square_pvalue
 
 
@@ -29,6 +29,25 @@ def test_noise_depends_on_seed_key_and_position_only():
     assert not torch.equal(full[0, 0], full[0, 1])                  # same key, next position
     assert not torch.equal(rng.exponential_noise(6, keys, pos, 97), full)
     assert torch.equal(rng.exponential_noise(5, keys, pos, 40), full[..., :40])   # token v: output v
+
+
+def test_noise_of_chosen_tokens_equals_the_full_noise_there():
+    keys, pos = torch.tensor([1, 2]), torch.tensor([[3, 4], [5, 6]])
+    ids = torch.tensor([[[7, 0, 99], [5, 5, 1]], [[98, 2, 3], [0, 1, 2]]])                # [2, 2, 3]
+    full = rng.exponential_noise(9, keys, pos, 100)
+    assert torch.equal(rng.exponential_noise(9, keys, pos, 100, tokens=ids), full.gather(-1, ids))
+
+
+def test_sparse_coupled_sample_picks_what_the_full_noise_picks():
+    n, vocab = 64, 500
+    keys, pos = torch.arange(n), torch.arange(3) + torch.randint(0, 100, (n, 1))            # [n, 3]
+    logits = torch.randn(n, 3, vocab) * 2
+    full = rng.exponential_noise(4, keys, pos, vocab)
+    for kw in (dict(top_k=40), dict(top_p=0.3), dict(top_k=100, top_p=0.8)):
+        probs = filtered_probs(logits, 0.8, **kw)
+        tokens = sparse_coupled_sample(probs, 4, keys, pos)
+        assert tokens is not None and torch.equal(tokens, coupled_sample(probs, full)), kw
+    assert sparse_coupled_sample(filtered_probs(logits, 0.8), 4, keys, pos) is None   # nothing filtered
 
 
 def test_noise_is_exponential():

@@ -24,7 +24,7 @@ from pipeline.spec_decode import rng
 from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample
 from pipeline.spec_decode.cost import CostModel
 from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext, make_policy
-from pipeline.spec_decode.sampling import coupled_sample, filtered_probs, sample
+from pipeline.spec_decode.sampling import coupled_sample, filtered_probs, sample, sparse_coupled_sample
 from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
 
 
@@ -341,6 +341,9 @@ class _Run:
             return logits.argmax(-1), None
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)                  # [n, V]
         if p.coupled:
+            tokens = sparse_coupled_sample(probs, p.seed, keys, positions)              # top-k/p: kept tokens' noise
+            if tokens is not None:
+                return tokens, None
             noise = rng.exponential_noise(p.seed, keys, positions, probs.shape[-1])      # [n, V]
             self._draft_noise.append((keys, positions, noise))     # the target's, at the same position
             return coupled_sample(probs, noise), None
@@ -353,7 +356,11 @@ class _Run:
             return logits.argmax(-1)
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
         if p.coupled:
-            return coupled_sample(probs, self._target_noise(keys, positions, probs.shape[-1]))
+            tokens = sparse_coupled_sample(probs, p.seed, keys, positions)
+            if tokens is None:
+                tokens = coupled_sample(probs, self._target_noise(keys, positions, probs.shape[-1]))
+            self._draft_noise = []
+            return tokens
         return sample(probs, rng.uniforms(p.seed, keys, positions, rng.TARGET))
 
     def _accept(self, drafts, draft_probs, logits, keys, positions):

@@ -73,9 +73,11 @@ def _strides(vocab: int, device) -> torch.Tensor:
     return _STRIDES[key]
 
 
-def exponential_noise(seed: int, row_keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+def exponential_noise(seed: int, row_keys: torch.Tensor, positions: torch.Tensor, vocab: int,
+                      tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Exp(1) noise E[..., v] for every token v at every (row, position): float32
     [*positions.shape, vocab], strictly positive, a function of (seed, key, position, v) alone.
+    `tokens` [*positions.shape, m] (int64 ids): the noise of those tokens only, [..., m].
 
     Token v's value is output v of a SplitMix64 sequence started at the position's
     counter_hash (state + (v + 1) * golden, then the finaliser), so a position's noise is
@@ -85,26 +87,37 @@ def exponential_noise(seed: int, row_keys: torch.Tensor, positions: torch.Tensor
     Cost: ~20 passes over int64 [rows, V], in place; on a CPU in chunks of ~64K values that
     stay in cache (1.5x faster than one pass over everything; decisions.md, 2026-12-01).
     Example: exponential_noise(0, keys, positions, 6144)[i, j] equals
-    exponential_noise(0, keys[i:i+1], positions[i:i+1, j:j+1], 6144)[0, 0].
+    exponential_noise(0, keys[i:i+1], positions[i:i+1, j:j+1], 6144)[0, 0], and its entries
+    [3, 7] equal exponential_noise(0, keys, positions, 6144, tokens=ids)[i, j] where ids[i, j] = [3, 7].
     """
-    base = (counter_hash(seed, row_keys, positions, NOISE) + _GOLDEN).reshape(-1)     # [m] first states
+    base = counter_hash(seed, row_keys, positions, NOISE) + _GOLDEN                  # like positions
+    if tokens is not None:
+        z = base.unsqueeze(-1) + tokens.to(torch.int64) * _GOLDEN                     # [..., m] states
+        out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+        return _exponentials_(z, torch.empty_like(z), out)
+    base = base.reshape(-1)                                                          # [r] first states
     strides = _strides(vocab, positions.device)                                      # [V]
-    out = torch.empty(base.numel(), vocab, dtype=torch.float32, device=positions.device)   # [m, V]
+    out = torch.empty(base.numel(), vocab, dtype=torch.float32, device=positions.device)   # [r, V]
     chunk = base.numel() if positions.device.type != "cpu" else max(1, _CHUNK // vocab)
     z = torch.empty(min(chunk, base.numel()), vocab, dtype=torch.int64, device=positions.device)
     t = torch.empty_like(z)
     for lo in range(0, base.numel(), chunk):
         hi = min(lo + chunk, base.numel())
-        zc, tc = z[:hi - lo], t[:hi - lo]
-        torch.add(base[lo:hi, None], strides, out=zc)                                # SplitMix64 states
-        for shift, mult in ((30, _M1), (27, _M2), (31, None)):                       # its finaliser, in place
-            torch.bitwise_right_shift(zc, shift, out=tc)
-            zc.bitwise_xor_(tc.bitwise_and_((1 << (64 - shift)) - 1))
-            if mult is not None:
-                zc.mul_(mult)
-        zc.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)                      # top 23 bits
-        out[lo:hi].copy_(zc).add_(0.5).mul_(1.0 / (1 << 23)).log_().neg_()          # u -> -log(u)
+        torch.add(base[lo:hi, None], strides, out=z[:hi - lo])                       # SplitMix64 states
+        _exponentials_(z[:hi - lo], t[:hi - lo], out[lo:hi])
     return out.view(*positions.shape, vocab)
+
+
+def _exponentials_(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser over states z (overwritten; t: scratch of z's shape), then
+    out = -log(u) from the top 23 bits. Returns out."""
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=t)
+        z.bitwise_xor_(t.bitwise_and_((1 << (64 - shift)) - 1))
+        if mult is not None:
+            z.mul_(mult)
+    z.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1)                           # top 23 bits
+    return out.copy_(z).add_(0.5).mul_(1.0 / (1 << 23)).log_().neg_()               # u -> -log(u)
 
 
 _CHUNK = 1 << 16        # noise values per chunk on a CPU (two int64 buffers of 512 KiB)
