@@ -12,6 +12,7 @@ from collections import deque
 
 import torch
 
+from pipeline.engine.coupled import CoupledSampler
 from pipeline.engine.costs import CostTracker
 from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingParams
@@ -24,7 +25,7 @@ from pipeline.spec_decode import rng
 from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample
 from pipeline.spec_decode.cost import CostModel
 from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext, make_policy
-from pipeline.spec_decode.sampling import coupled_sample, filtered_probs, sample, sparse_coupled_sample
+from pipeline.spec_decode.sampling import filtered_probs, sample
 from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
 
 
@@ -227,7 +228,7 @@ class _Run:
         self.eos = frozenset(cfg.eos_token_ids)
         self.stats = engine.last_stats
         self.refine = isinstance(policy, GoodputPolicy)     # its steps count towards cost-model refits
-        self._draft_noise: list = []          # this step's (keys, positions, noise) per draft depth (coupled)
+        self.coupled = CoupledSampler(params.seed) if params.coupled else None
 
     def run(self) -> None:
         while self.queue or self.slots.n:
@@ -332,21 +333,16 @@ class _Run:
         return tuple(sorted(apart))
 
     # ---- sampling ------------------------------------------------------------------------------
-    # Coupled (params.coupled): a token landing at position t is coupled_sample(p, noise(seed, key,
-    # t)), for the target and the drafts alike, and a draft is kept when it equals the target's
-    # token; rejection: the min(1, p/q) rule with one uniform per decision. Greedy: argmax.
+    # Coupled (pipeline/engine/coupled.py): the target and the drafts pick with the same keyed
+    # noise per position, a draft is kept when it equals the target's token. Rejection: the
+    # min(1, p/q) rule with one uniform per decision. Greedy: argmax.
     def _pick_draft(self, logits, keys, positions):
         p = self.params
         if p.greedy:
             return logits.argmax(-1), None
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)                  # [n, V]
-        if p.coupled:
-            tokens = sparse_coupled_sample(probs, p.seed, keys, positions)              # top-k/p: kept tokens' noise
-            if tokens is not None:
-                return tokens, None
-            noise = rng.exponential_noise(p.seed, keys, positions, probs.shape[-1])      # [n, V]
-            self._draft_noise.append((keys, positions, noise))     # the target's, at the same position
-            return coupled_sample(probs, noise), None
+        if self.coupled:
+            return self.coupled.draft(probs, keys, positions), None
         return sample(probs, rng.uniforms(p.seed, keys, positions, rng.DRAFT)), probs
 
     def _sample_target(self, logits, keys, positions):
@@ -355,12 +351,8 @@ class _Run:
         if p.greedy:
             return logits.argmax(-1)
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
-        if p.coupled:
-            tokens = sparse_coupled_sample(probs, p.seed, keys, positions)
-            if tokens is None:
-                tokens = coupled_sample(probs, self._target_noise(keys, positions, probs.shape[-1]))
-            self._draft_noise = []
-            return tokens
+        if self.coupled:
+            return self.coupled.target(probs, keys, positions)
         return sample(probs, rng.uniforms(p.seed, keys, positions, rng.TARGET))
 
     def _accept(self, drafts, draft_probs, logits, keys, positions):
@@ -369,7 +361,7 @@ class _Run:
         if p.greedy:
             return greedy_accept(drafts, logits)
         out_pos = positions + 1
-        if p.coupled:
+        if self.coupled:
             return coupled_accept(drafts, self._sample_target(logits, keys, out_pos))
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
         u_final = rng.uniforms(p.seed, keys, out_pos, rng.TARGET)
@@ -377,24 +369,6 @@ class _Run:
             return torch.zeros_like(keys), sample(probs, u_final)
         u_accept = rng.uniforms(p.seed, keys, out_pos[:, :-1], rng.ACCEPT)
         return rejection_sample(drafts, draft_probs, probs, u_accept, u_final)
-
-    def _target_noise(self, keys, positions, vocab: int):
-        """Coupled noise [*positions.shape, V]: a column the drafts of this step already drew
-        (same keys, same positions) is reused, the rest computed. Clears what the drafts kept."""
-        kept, self._draft_noise = self._draft_noise, []
-        cols = positions if positions.dim() == 2 else positions[:, None]                # [n, q]
-        noise = [next((e for k, q, e in kept if q.shape == c.shape and torch.equal(q, c) and torch.equal(k, keys)),
-                      None) for c in cols.unbind(1)]
-        missing = [j for j, e in enumerate(noise) if e is None]
-        if len(missing) == len(noise):
-            return rng.exponential_noise(self.params.seed, keys, positions, vocab)
-        if missing:
-            fresh = rng.exponential_noise(self.params.seed, keys, cols[:, missing], vocab)  # [n, m, V]
-            for i, j in enumerate(missing):
-                noise[j] = fresh[:, i]
-        if len(noise) == 1:
-            return noise[0].view(*positions.shape, vocab)
-        return torch.stack(noise, dim=1)                                                 # [n, q, V]
 
     def _sync(self) -> None:
         if self.e.device.type == "cuda":
