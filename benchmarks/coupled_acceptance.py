@@ -91,7 +91,7 @@ def noise_table(args, vocab: int) -> str:
     def coupled_step(top_k=0):
         def step():
             q, p = filtered_probs(draft_logits, T, top_k), filtered_probs(target_logits, T, top_k)
-            d = sparse_coupled_sample(q, 0, keys, pos[:, :g])
+            d = sparse_coupled_sample(q, 0, keys, pos[:, :g]) if top_k else None      # as CoupledSampler
             if d is None:                                                     # drafts' noise reused
                 noise = rng.exponential_noise(0, keys, pos, vocab)
                 d, t = coupled_sample(q, noise[:, :g]), coupled_sample(p, noise)

@@ -16,14 +16,16 @@ from pipeline.spec_decode.sampling import coupled_sample, sparse_coupled_sample
 
 
 class CoupledSampler:
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int, filtered: bool = False):
+        """filtered: top-k or top-p is on, so most tokens may have zero probability and noise
+        for the kept ones alone may do (counting them costs a pass, paid only then)."""
+        self.seed, self.filtered = seed, filtered
         self._kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []   # (keys [n], positions [n], noise [n, V])
 
     def draft(self, probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """probs [n, V] (filtered), keys [n], positions [n] -> tokens [n]."""
-        tokens = sparse_coupled_sample(probs, self.seed, keys, positions)       # top-k/p: kept tokens only
-        if tokens is not None:
+        tokens = sparse_coupled_sample(probs, self.seed, keys, positions) if self.filtered else None
+        if tokens is not None:                                                   # top-k/p: kept tokens only
             return tokens
         noise = rng.exponential_noise(self.seed, keys, positions, probs.shape[-1])   # [n, V]
         self._kept.append((keys, positions, noise))
@@ -32,7 +34,7 @@ class CoupledSampler:
     def target(self, probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """probs [n, V] or [n, q, V]; positions [n] or [n, q] -> tokens like positions.
         Ends the step: the drafts' kept noise is released."""
-        tokens = sparse_coupled_sample(probs, self.seed, keys, positions)
+        tokens = sparse_coupled_sample(probs, self.seed, keys, positions) if self.filtered else None
         if tokens is None:
             tokens = coupled_sample(probs, self._noise(keys, positions, probs.shape[-1]))
         self._kept = []

@@ -228,7 +228,8 @@ class _Run:
         self.eos = frozenset(cfg.eos_token_ids)
         self.stats = engine.last_stats
         self.refine = isinstance(policy, GoodputPolicy)     # its steps count towards cost-model refits
-        self.coupled = CoupledSampler(params.seed) if params.coupled else None
+        self.coupled = (CoupledSampler(params.seed, filtered=params.top_k > 0 or params.top_p < 1)
+                        if params.coupled else None)
 
     def run(self) -> None:
         while self.queue or self.slots.n:
