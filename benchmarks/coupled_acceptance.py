@@ -119,10 +119,13 @@ def noise_table(args, vocab: int) -> str:
             ("rejection, whole step", rejection_step()), ("coupled, gamma 0 step", plain("coupled")),
             ("rejection, gamma 0 step", plain("rejection")), ("coupled, whole step, top_k 50", coupled_step(50)),
             ("rejection, whole step, top_k 50", rejection_step(50))]
-    lines = [f"| per-step sampling work ({n} rows, gamma {g}, V={vocab}, T={T}) | ms (min of {reps}) |", "|---|---|"]
-    for name, fn in rows:
-        fn()
-        lines.append(f"| {name} | {_best(fn, reps):.2f} |")
+    lines = [f"| per-step sampling work ({n} rows, gamma {g}, V={vocab}, T={T}) | ms (min of {reps}, interleaved) |",
+             "|---|---|"]
+    best = {name: float("inf") for name, _ in rows}
+    for _ in range(reps):                              # interleaved: a busy spell hits every row alike
+        for name, fn in rows:
+            best[name] = min(best[name], _best(fn, 1))
+    lines += [f"| {name} | {ms:.2f} |" for name, ms in best.items()]
     return "\n".join(lines)
 
 
