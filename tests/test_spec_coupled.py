@@ -97,3 +97,28 @@ def test_coupled_accept_examples():
     assert num.tolist() == [3, 2, 0, 1]
     num, emitted = coupled_accept(torch.zeros(2, 0, dtype=torch.long), torch.tensor([[4], [6]]))
     assert num.tolist() == [0, 0] and emitted[:, 0].tolist() == [4, 6]
+
+
+def test_coupled_sampler_hashes_each_position_once(monkeypatch):
+    """A verify step's target pick reuses the noise its drafts drew (gamma + 1 positions hashed,
+    not 2 gamma + 1), and picks what fresh noise would."""
+    from pipeline.engine.coupled import CoupledSampler
+
+    drawn = []
+    real = rng.exponential_noise
+
+    def counting(seed, keys, positions, vocab, tokens=None):
+        drawn.append(positions.numel())
+        return real(seed, keys, positions, vocab, tokens)
+
+    monkeypatch.setattr(rng, "exponential_noise", counting)
+    n, vocab, gamma = 5, 64, 2
+    keys, lengths = torch.arange(n) * 3, torch.tensor([4, 9, 2, 7, 7])
+    probs = torch.softmax(torch.randn(n, gamma + 1, vocab), -1)
+    sampler = CoupledSampler(seed=1)
+    drafts = torch.stack([sampler.draft(probs[:, d - 1], keys, lengths + d) for d in range(1, gamma + 1)], 1)
+    out_pos = lengths[:, None] + 1 + torch.arange(gamma + 1)                     # [n, gamma + 1]
+    target = sampler.target(probs, keys, out_pos)
+    assert drawn == [n, n, n]                                                    # depth 1, depth 2, the bonus column
+    assert torch.equal(target, coupled_sample(probs, real(1, keys, out_pos, vocab)))
+    assert torch.equal(drafts, target[:, :gamma])                               # same distributions: all kept
