@@ -247,7 +247,8 @@ def _show(value: Any) -> str:
 
 
 _FLAGS = ("resume", "overwrite")        # top-level run flags; not sections
-_ADDED_LATER = (("sampling", "truncate_prompt", False), ("sampling", "ignore_eos", False))
+_ADDED_LATER = (("sampling", "truncate_prompt", False), ("sampling", "ignore_eos", False),
+                ("sampling", "verify", "coupled"))
 
 
 SECTIONS = {                            # section name -> its dataclass (also the Hydra schema)

@@ -19,6 +19,7 @@ def base(**overrides):
 def test_defaults_build():
     cfg = RunConfig.from_dict(base())
     assert cfg.spec.gamma == "auto"
+    assert cfg.sampling.verify == "coupled"
     assert cfg.engine.max_batch_size > 0
     assert cfg.resume is False
 
@@ -33,6 +34,7 @@ def test_defaults_build():
     ("sampling__top_p", 0.0, "sampling.top_p"),
     ("sampling__top_k", -1, "sampling.top_k"),
     ("sampling__max_new_tokens", 0, "sampling.max_new_tokens"),
+    ("sampling__verify", "maximal", "sampling.verify"),
     ("data__limit", 0, "data.limit"),
     ("data__tasks", ["a"], "data.task_column"),
     ("cluster__num_actors", 0, "cluster.num_actors"),
@@ -83,10 +85,12 @@ def test_hash_of_a_config_without_the_newer_keys_is_unchanged():
     d["model"].pop("allow_pickle")
     d["sampling"].pop("truncate_prompt")
     d["sampling"].pop("ignore_eos")
+    d["sampling"].pop("verify")
     d["spec"].pop("prior")                                  # evidence to start from, never hashed
     old = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert cfg.hash() == old
     assert RunConfig.from_dict(base(sampling__truncate_prompt=True)).hash() != RunConfig.from_dict(base()).hash()
+    assert RunConfig.from_dict(base(sampling__verify="rejection")).hash() != RunConfig.from_dict(base()).hash()
     assert RunConfig.from_dict(base(model__allow_pickle=True)).hash() == RunConfig.from_dict(base()).hash()
     assert RunConfig.from_dict(base(spec__prior="runs/x")).hash() == RunConfig.from_dict(base()).hash()
 

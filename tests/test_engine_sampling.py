@@ -1,5 +1,6 @@
 """Invariant 2 end to end: speculative sampling through the engine reproduces the target's
-distribution (small vocabulary, many samples), and a seed reproduces outputs."""
+distribution under both verification rules (small vocabulary, many samples), and a seed
+reproduces outputs."""
 import itertools
 
 import pytest
@@ -31,8 +32,7 @@ def _exact_joint(path) -> torch.Tensor:
     return full.reshape(*(VOCAB,) * NEW)
 
 
-def _counts(outs) -> torch.Tensor:
-    toks = torch.tensor([o.token_ids for o in outs])
+def _counts(toks) -> torch.Tensor:
     flat = sum(toks[:, j] * VOCAB ** (NEW - 1 - j) for j in range(NEW))
     return torch.bincount(flat, minlength=VOCAB ** NEW).reshape(*(VOCAB,) * NEW)
 
@@ -42,30 +42,44 @@ def setup(tmp_path_factory):
     path = tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt")), arch="llama", vocab_size=VOCAB,
                            num_mtp_layers=1, hidden_size=32, initializer_range=0.15, with_tokenizer=False)
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2048)
-    params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_k=TOP_K, seed=11, ignore_eos=True)
-    runs = {g: _counts(engine.generate([PROMPT] * N, params, gamma=g)) for g in (0, 3)}
+    runs = {}
+    for verify, gamma in (("coupled", 0), ("coupled", 3), ("rejection", 3)):
+        params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_k=TOP_K, seed=11,
+                                ignore_eos=True, verify=verify)
+        tokens = torch.tensor([o.token_ids for o in engine.generate([PROMPT] * N, params, gamma=gamma)])
+        runs[verify, gamma] = (tokens, _counts(tokens))                # [N, NEW], [V] * NEW
     return path, engine, runs
 
 
 def test_speculative_sampling_matches_exact_target_distribution(setup):
     path, engine, runs = setup
     exact = _exact_joint(path)
-    for gamma, counts in runs.items():
+    for run, (_, counts) in runs.items():
         assert counts.sum() == N
-        # marginals of each position, and pairs of neighbours, against the exact probabilities
+        # the joint of all 4 tokens (rare outcomes pooled), marginals of each position, and
+        # pairs of neighbours, against the exact probabilities
+        assert chi_square_pvalue(counts, exact) > 1e-4, run
         for j in range(NEW):
             dims = tuple(d for d in range(NEW) if d != j)
-            assert chi_square_pvalue(counts.sum(dims), exact.sum(dims)) > 1e-4, (gamma, j)
+            assert chi_square_pvalue(counts.sum(dims), exact.sum(dims)) > 1e-4, (run, j)
         for j in range(NEW - 1):
             dims = tuple(d for d in range(NEW) if d not in (j, j + 1))
-            assert chi_square_pvalue(counts.sum(dims), exact.sum(dims)) > 1e-4, (gamma, j)
+            assert chi_square_pvalue(counts.sum(dims), exact.sum(dims)) > 1e-4, (run, j)
 
 
 def test_gamma_three_against_gamma_zero(setup):
     _, engine, runs = setup
-    for j in range(NEW):
-        dims = tuple(d for d in range(NEW) if d != j)
-        assert two_sample_pvalue(runs[3].sum(dims), runs[0].sum(dims)) > 1e-4
+    for run in (("coupled", 3), ("rejection", 3)):
+        for j in range(NEW):
+            dims = tuple(d for d in range(NEW) if d != j)
+            assert two_sample_pvalue(runs[run][1].sum(dims), runs["coupled", 0][1].sum(dims)) > 1e-4, (run, j)
+
+
+def test_coupled_rows_equal_plain_sampling_with_their_noise(setup):
+    """Coupled at gamma 3 emits, row for row, what gamma 0 emits: the same 30,000 samples."""
+    _, _, runs = setup
+    assert torch.equal(runs["coupled", 3][0], runs["coupled", 0][0])
+    assert not torch.equal(runs["rejection", 3][0], runs["coupled", 0][0])
 
 
 def test_drafts_were_verified_and_partly_rejected(setup):

@@ -1,7 +1,8 @@
 """Acceptance of a checkpoint's MTP heads on the demo dataset's held-out rows, per task.
 
-Greedy decoding with the engine at a fixed gamma; reports per-depth acceptance a_k, mean
-acceptance length (accepted + 1 per verify step per row) and a few outputs next to references.
+Decoding with the engine at a fixed gamma (greedy unless told a temperature and verification
+rule); reports per-depth acceptance a_k, mean acceptance length (accepted + 1 per verify step
+per row) and a few outputs next to references.
 """
 from __future__ import annotations
 
@@ -44,12 +45,12 @@ def load_rows(data_path: Path, task: str, limit: int) -> list[dict]:
 
 def evaluate_acceptance(model_dir: Path, data_path: Path, gamma: int = 3, rows_per_task: int = 64,
                         max_new_tokens: int = 64, examples: int = 10, device: str = "cpu",
-                        log=print) -> dict:
+                        log=print, temperature: float = 0.0, verify: str = "coupled", seed: int = 0) -> dict:
     """{task: {acceptance_by_depth, mean_acceptance_length, rows, seconds, examples}}."""
     from pipeline.engine import Engine, SamplingParams
 
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype="float32", max_batch_size=32)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, verify=verify, seed=seed)
     out = {}
     for task in TASKS:
         rows = load_rows(data_path, task, rows_per_task)

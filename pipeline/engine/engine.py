@@ -12,6 +12,7 @@ from collections import deque
 
 import torch
 
+from pipeline.engine.coupled import CoupledSampler
 from pipeline.engine.costs import CostTracker
 from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingParams
@@ -21,7 +22,7 @@ from pipeline.engine.slots import Slots
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec_decode import rng
-from pipeline.spec_decode.acceptance import greedy_accept, rejection_sample
+from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample
 from pipeline.spec_decode.cost import CostModel
 from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext, make_policy
 from pipeline.spec_decode.sampling import filtered_probs, sample
@@ -230,6 +231,8 @@ class _Run:
         self.eos = frozenset(cfg.eos_token_ids)
         self.stats = engine.last_stats
         self.refine = isinstance(policy, GoodputPolicy)     # its steps count towards cost-model refits
+        self.coupled = (CoupledSampler(params.seed, filtered=params.top_k > 0 or params.top_p < 1)
+                        if params.coupled else None)
 
     def run(self) -> None:
         while self.queue or self.slots.n:
@@ -334,18 +337,26 @@ class _Run:
         return tuple(sorted(apart))
 
     # ---- sampling ------------------------------------------------------------------------------
+    # Coupled (pipeline/engine/coupled.py): the target and the drafts pick with the same keyed
+    # noise per position, a draft is kept when it equals the target's token. Rejection: the
+    # min(1, p/q) rule with one uniform per decision. Greedy: argmax.
     def _pick_draft(self, logits, keys, positions):
         p = self.params
         if p.greedy:
             return logits.argmax(-1), None
-        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)                  # [n, V]
+        if self.coupled:
+            return self.coupled.draft(probs, keys, positions), None
         return sample(probs, rng.uniforms(p.seed, keys, positions, rng.DRAFT)), probs
 
     def _sample_target(self, logits, keys, positions):
+        """logits [n, V] or [n, q, V]; positions [n] or [n, q]: where the sampled tokens land."""
         p = self.params
         if p.greedy:
             return logits.argmax(-1)
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        if self.coupled:
+            return self.coupled.target(probs, keys, positions)
         return sample(probs, rng.uniforms(p.seed, keys, positions, rng.TARGET))
 
     def _accept(self, drafts, draft_probs, logits, keys, positions):
@@ -353,8 +364,10 @@ class _Run:
         p = self.params
         if p.greedy:
             return greedy_accept(drafts, logits)
-        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
         out_pos = positions + 1
+        if self.coupled:
+            return coupled_accept(drafts, self._sample_target(logits, keys, out_pos))
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
         u_final = rng.uniforms(p.seed, keys, out_pos, rng.TARGET)
         if drafts.shape[1] == 0:
             return torch.zeros_like(keys), sample(probs, u_final)

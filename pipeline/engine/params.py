@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_GAMMA_MAX = 5                 # the largest gamma 'auto' may choose unless told otherwise
+VERIFY_RULES = ("coupled", "rejection")   # sampling.verify (DESIGN.md invariant 2)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class SamplingParams:
     top_p: float = 1.0                # nucleus sampling mass (1.0: off)
     top_k: int = 0                    # keep the k most likely tokens (0: off)
     seed: int = 0                     # fixed seed: the same outputs run to run
+    verify: str = "coupled"           # sampling's verification rule: coupled (the same text at every
+                                      # gamma, batch, draft source, retry) | rejection (min(1, p/q))
     stop: tuple[str, ...] = ()        # stop strings; the text is cut before the first one
     truncate_prompt: bool = False     # over-long prompts keep their last tokens instead of failing
     ignore_eos: bool = False          # keep generating past EOS (benchmarks)
@@ -33,6 +36,7 @@ class SamplingParams:
             (_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}"),
             (_is_int(self.seed), f"seed must be an int, got {self.seed!r}"),
+            (self.verify in VERIFY_RULES, f"verify must be coupled or rejection, got {self.verify!r}"),
             (all(self.stop), "stop must not contain empty strings"),
             (isinstance(self.truncate_prompt, bool),
              f"truncate_prompt must be true or false, got {self.truncate_prompt!r}"),
@@ -44,6 +48,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampling with coupled verification (greedy keeps its own argmax path)."""
+        return not self.greedy and self.verify == "coupled"
 
 
 def _is_int(value) -> bool:

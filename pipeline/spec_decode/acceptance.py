@@ -1,9 +1,11 @@
-"""The acceptance rule of speculative decoding, greedy and lossless-sampling.
+"""The acceptance rule of speculative decoding: greedy, coupled and rejection sampling.
 
 Terms (DESIGN.md): of the gamma drafts of a row, the *accepted tokens* are the longest prefix the
 target keeps. Then one target token is emitted: the *recovered token* at the first rejected
 position, or the *bonus token* after all gamma drafts were accepted. So each verify step emits
 accepted + 1 tokens per row (the acceptance length, 1..gamma+1).
+Greedy and coupled verification keep a draft exactly when it equals the target's own token at its
+position (`coupled_accept`); rejection verification keeps it with probability min(1, p/q).
 """
 from __future__ import annotations
 
@@ -17,6 +19,23 @@ def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
+def coupled_accept(drafts: torch.Tensor, target_tokens: torch.Tensor):
+    """Keep the drafts that equal the target's tokens, up to the first that does not.
+
+    drafts: [n, gamma] (a padded slot holds -1, which no token equals, so a row with fewer
+    drafts stops there); target_tokens: [n, gamma + 1], the target's token at each position
+    (argmax when greedy, coupled_sample when sampling). Returns (num_accepted [n], emitted
+    [n, gamma + 1]) where row i emits emitted[i, :num_accepted[i] + 1]: the target's tokens, which
+    equal the accepted drafts on the accepted prefix, so the output is what the target alone
+    would have produced with the same noise, whatever the drafts were.
+    Example: drafts [[5, 7], [5, -1]], target [[5, 9, 4], [5, 6, 2]] -> num_accepted [1, 1],
+    emitted = target (row 0 emits 5, 9; row 1 emits 5, 6).
+    """
+    if drafts.shape[1] == 0:                 # plain decoding: nothing to compare (saves a few ops per step)
+        return torch.zeros(drafts.shape[0], dtype=torch.long, device=target_tokens.device), target_tokens
+    return accepted_prefix(drafts == target_tokens[:, :-1]), target_tokens
+
+
 def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor):
     """Greedy verification.
 
@@ -25,11 +44,7 @@ def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor):
     the target's argmax at every position, which equals the accepted drafts on the accepted prefix.
     Example: drafts [[5, 7]], argmax [[5, 9, 4]] -> num_accepted [1], emitted row [5, 9, 4] (emit 5, 9).
     """
-    target = target_logits.argmax(dim=-1)                                # [n, gamma + 1]
-    if drafts.shape[1] == 0:                 # plain decoding: nothing to compare (saves a few ops per step)
-        return torch.zeros(drafts.shape[0], dtype=torch.long, device=target.device), target
-    num_accepted = accepted_prefix(drafts == target[:, :-1])
-    return num_accepted, target
+    return coupled_accept(drafts, target_logits.argmax(dim=-1))         # target: [n, gamma + 1]
 
 
 def rejection_sample(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
