@@ -119,12 +119,14 @@ def sampling_setup(tmp_path_factory):
     return base, ckpt, ids
 
 
-def test_sampling_with_a_draft_vocab_matches_the_target_distribution(sampling_setup, monkeypatch):
+@pytest.mark.parametrize("verify", ["rejection", "coupled"])
+def test_sampling_with_a_draft_vocab_matches_the_target_distribution(sampling_setup, monkeypatch, verify):
     base, ckpt, ids = sampling_setup
     engine = Engine.from_pretrained(ckpt, device="cpu", max_batch_size=2048)
     seen = _drafts_seen(monkeypatch)
-    params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_k=TOP_K, seed=11, ignore_eos=True)
-    counts = _counts(engine.generate([PROMPT] * 30000, params, gamma=3))
+    params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_k=TOP_K, seed=11, ignore_eos=True,
+                            verify=verify)
+    counts = _counts(torch.tensor([o.token_ids for o in engine.generate([PROMPT] * 30000, params, gamma=3)]))
     exact = _exact_joint(base)
     for j in range(NEW):
         dims = tuple(d for d in range(NEW) if d != j)
@@ -136,7 +138,10 @@ def test_sampling_with_a_draft_vocab_matches_the_target_distribution(sampling_se
     outside[ids] = False
     for drafts, probs in seen:
         assert torch.isin(drafts, ids).all()
-        assert probs.shape[-1] == VOCAB and (probs[..., outside] == 0).all()      # q scattered to V
+        if verify == "rejection":
+            assert probs.shape[-1] == VOCAB and (probs[..., outside] == 0).all()      # q scattered to V
+        else:
+            assert probs is None                     # the coupled rule needs no q
     acc = engine.stats.acceptance_by_depth()
     assert 0.05 < acc[0] < 0.95, acc
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.model.cache import Batch, KVCache
-from pipeline.model.draft_vocab import to_full_vocab
+from pipeline.model.draft_vocab import full_vocab_logits, to_full_vocab
 from pipeline.model.mtp import head_for_depth
 
 
@@ -51,6 +51,7 @@ class Drafter:
         self.carry_ok = torch.zeros(batch_size, dtype=torch.bool, device=device)            # [B]
         self._carry_set = False       # False: carry_ok is all False (a run of gamma-0 steps skips resetting it)
         self.pending: list[PendingFill] = []
+        self.full_vocab_picks = False  # coupled sampling: a head's draft vocabulary is picked over as -inf columns
 
     # ---- slot management -------------------------------------------------------------------
     def reset_rows(self, rows: torch.Tensor) -> None:
@@ -106,6 +107,8 @@ class Drafter:
                 batch = Batch.make(pos[:, None], kv_len=kv_len, key_valid=key_valid)
                 out = head(out[:, None], drafts[-1][:, None], batch, self.cache, c)[:, 0]
             logits, ids = head.draft_logits(out)                     # ids: the draft vocabulary or None
+            if ids is not None and self.full_vocab_picks:            # noise keyed by token id: all V columns
+                logits, ids = full_vocab_logits(logits, ids, head.vocab_size), None
             tok, prob = to_full_vocab(*pick(logits, depth), ids, head.vocab_size)
             drafts.append(tok)
             probs.append(prob)

@@ -226,6 +226,7 @@ class _Run:
             heads_cache = engine.kv_cache("heads", len(engine.heads), batch, capacity, attn.num_kv_heads, attn.head_dim)
             self.drafter = Drafter(engine.heads, batch, capacity, cfg.hidden_size, engine.dtype, engine.device,
                                    cache=heads_cache)
+            self.drafter.full_vocab_picks = params.coupled
         self.slots = Slots(batch, engine.device, self.drafter, self.cache)
         self.queue = deque(rows)
         self.eos = frozenset(cfg.eos_token_ids)
