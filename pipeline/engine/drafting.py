@@ -15,10 +15,12 @@ import torch
 from pipeline.engine.drafters import DraftRequest
 from pipeline.spec_decode.policy import estimate_acceptance
 from pipeline.spec_decode.ragged_accept import PAD, pad_mask
-from pipeline.spec_decode.row_drafts import acceptance_table, draft_lengths, keep_probs
+from pipeline.engine.verify import choose_layout
+from pipeline.spec_decode.row_drafts import acceptance_table, draft_lengths, keep_probs, padded_lengths
 from pipeline.spec_decode.stats import SpecStats, _add_list_maps
 
 MIN_GAIN = 0.02       # per-row drafts must predict this much over plain decoding
+GATHER_COST = 2.0     # a packed verify token costs about this many padded ones (cache gathers; measured on CPU)
 
 
 @dataclass
@@ -36,20 +38,23 @@ def empty_drafts(n: int, device) -> StepDrafts:
     return StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=device), None, None, None, 0, None, None)
 
 
-def per_step_costs(model, rows: int, ctx: float):
-    """(base_s, first_s, token_s) of a ragged verify from the cost model: a plain step, the fixed
-    extra of a multi-token verify, and the mean cost of one more verified token at this shape."""
+def per_step_costs(model, rows: int, ctx: float, width: int = 1):
+    """(base_s, first_s, token_s) of a verify with drafts from the cost model: a plain step,
+    the fixed extra of a multi-token verify, and the mean cost of one more verified token over
+    `width` more tokens per row (the secant: verify cost bends where the batch turns compute-bound)."""
     base = model.step_s(rows, 0, ctx)
-    two, one = model.verify_s(rows, 2, ctx), model.verify_s(rows, 1, ctx)
-    return base, model.multi_token_s, max(two - one - model.multi_token_s, 0.0) / rows
+    wide, one = model.verify_s(rows, width + 1, ctx), model.verify_s(rows, 1, ctx)
+    return base, model.multi_token_s, max(wide - one - model.multi_token_s, 0.0) / (rows * width)
 
 
 class DraftPlanner:
-    def __init__(self, sources, auto: bool, ngram_cap: int, evidence: SpecStats, cost_model, params):
+    def __init__(self, sources, auto: bool, ngram_cap: int, evidence: SpecStats, cost_model, params,
+                 layout: str = "auto"):
         """`evidence`: earlier n-gram acceptance of this task (the engine's); `cost_model`: a
         callable returning the engine's CostModel or None."""
         self.sources, self.auto, self.ngram_cap = sources, auto, ngram_cap
         self.evidence, self.cost_model, self.params = evidence, cost_model, params
+        self.layout = layout              # the verify layout (pipeline.engine.verify): what to price
 
     def plan(self, n: int, lengths, rows, mtp_gamma: int, pick, stats: SpecStats, mtp_prior: SpecStats | None,
              ctx: float, measuring: bool) -> StepDrafts:
@@ -115,8 +120,26 @@ class DraftPlanner:
         model = self.cost_model()
         if model is None:
             return (p > 0).sum(1)
-        base, first, token = per_step_costs(model, n, ctx)
-        return draft_lengths(p, base, token, first, MIN_GAIN)
+        base, first, token = per_step_costs(model, n, ctx, p.shape[1])
+        if self.layout == "padded":
+            return padded_lengths(p, base, token, first, MIN_GAIN)
+        ragged = draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
+        if self.layout == "packed":
+            return ragged
+        padded = padded_lengths(p, base, token, first, MIN_GAIN)
+        width = int(ragged.max())          # auto: ragged where the verify will be packed and it predicts more
+        if width and choose_layout(ragged, width, "auto") == "packed":
+            gp_r = (n + float(_kept(p, ragged))) / (base + first + float(ragged.sum()) * token * GATHER_COST)
+            wp = int(padded.max())
+            gp_p = (n + float(_kept(p, padded))) / (base + (first + n * wp * token if wp else 0.0))
+            if gp_r > gp_p:
+                return ragged
+        return padded
+
+
+def _kept(p: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Expected accepted drafts when row i keeps its first lens[i]."""
+    return (p * (torch.arange(p.shape[1]) < lens[:, None])).sum()
 
 
 def _sum(a: list[int], b: list[int]) -> list[int]:

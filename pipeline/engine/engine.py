@@ -256,7 +256,8 @@ class _Run:
         self.planner = None
         if found:
             evidence = engine.ngram_evidence.get(task)
-            self.planner = DraftPlanner(self.sources, self.auto, ngram_cap, evidence, engine.cost_model, params)
+            self.planner = DraftPlanner(self.sources, self.auto, ngram_cap, evidence, engine.cost_model, params,
+                                        engine.verify_layout)
         self.task = task
         self.slots = Slots(batch, engine.device, self.sources, self.cache)
         self.queue = deque(rows)

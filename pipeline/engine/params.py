@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_GAMMA_MAX = 5                 # the largest gamma 'auto' may choose unless told otherwise
+DRAFT_CHOICES = ("auto", "mtp", "ngram", "none")   # draft sources: per row the one that pays, or one, or none
 
 
 @dataclass(frozen=True)

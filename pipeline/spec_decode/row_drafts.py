@@ -11,6 +11,8 @@ the step keeps the D drafts of largest P (a row's P falls with depth, so that is
 each row) for the D that maximises goodput (rows + sum of kept P) / step_s(D), or none where
 that is within `min_gain` of plain decoding.
 
+`padded_lengths` prices a padded verify instead (its cost is the widest row's, for every row).
+
 Example: 2 rows, P = [[0.9, 0.8], [0.2, 0.0]], base_s 10, first_s 0, token_s 1: keeping
 0.9, 0.8 gives (2 + 1.7) / 12 = 0.308 tokens/s-unit against 2 / 10 = 0.2, adding 0.2 gives
 3.9 / 13 = 0.300: lengths [2, 0].
@@ -58,6 +60,24 @@ def draft_lengths(p: torch.Tensor, base_s: float, token_s: float, first_s: float
     keep = torch.zeros(n * g, dtype=torch.bool)
     keep[order[:best + 1]] = True
     return keep.view(n, g).long().cumprod(dim=1).sum(dim=1)
+
+
+def padded_lengths(p: torch.Tensor, base_s: float, token_s: float, first_s: float = 0.0,
+                   min_gain: float = 0.0) -> torch.Tensor:
+    """Drafts per row when every row verifies W + 1 slots (a padded verify prices the width,
+    not the drafts): W maximises (rows + sum_{j<W} P_ij) / (base_s + first_s + rows * W * token_s),
+    and each row drafts what it has below W. Example: P [[0.9, 0.8], [0.2, 0]], base 10, token 1:
+    W=1: 3.1 / 12 = 0.26, W=2: 3.9 / 14 = 0.28, plain 2 / 10 -> W=2, lengths [2, 1]."""
+    n, g = p.shape
+    if g == 0 or n == 0:
+        return torch.zeros(n, dtype=torch.long)
+    gain = p.double().sum(0).cumsum(0)                                       # [G] tokens over width W
+    w = torch.arange(1, g + 1, dtype=torch.float64)
+    goodput = (n + gain) / (base_s + first_s + n * w * token_s)
+    best = int(goodput.argmax())
+    if goodput[best] <= (1 + min_gain) * n / base_s:
+        return torch.zeros(n, dtype=torch.long)
+    return (p[:, :best + 1] > 0).long().cumprod(dim=1).sum(dim=1)
 
 
 def pick_sources(expected: torch.Tensor) -> torch.Tensor:

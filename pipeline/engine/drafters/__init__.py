@@ -4,11 +4,10 @@ generate call uses and fans the slot events (reset, move, drop, finish) out to e
 from __future__ import annotations
 
 from pipeline.engine.drafters.base import DraftRequest, DraftSource, Proposal
+from pipeline.engine.params import DRAFT_CHOICES
 from pipeline.engine.drafters.mtp import MTPSource
 from pipeline.engine.drafters.ngram import NgramSource
 from pipeline.engine.drafters.task_index import TaskIndex
-
-DRAFT_CHOICES = ("auto", "mtp", "ngram", "none")
 
 __all__ = ["DRAFT_CHOICES", "DraftRequest", "DraftSource", "MTPSource", "NgramSource", "Proposal", "Sources",
            "TaskIndex", "resolve_draft"]
