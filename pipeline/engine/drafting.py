@@ -15,11 +15,12 @@ import torch
 from pipeline.engine.drafters import DraftRequest
 from pipeline.spec_decode.policy import estimate_acceptance
 from pipeline.spec_decode.ragged_accept import PAD, pad_mask
-from pipeline.engine.verify import choose_layout
+from pipeline.engine.verify import PACK_SHARE, choose_layout
 from pipeline.spec_decode.row_drafts import acceptance_table, draft_lengths, keep_probs, padded_lengths
 from pipeline.spec_decode.stats import SpecStats, _add_list_maps
 
 MIN_GAIN = 0.02       # per-row drafts must predict this much over plain decoding
+TABLE_STEPS = 16      # steps between re-estimates of the n-gram acceptance table
 GATHER_COST = 2.0     # a packed verify token costs about this many padded ones (cache gathers; measured on CPU)
 
 
@@ -55,6 +56,7 @@ class DraftPlanner:
         self.sources, self.auto, self.ngram_cap = sources, auto, ngram_cap
         self.evidence, self.cost_model, self.params = evidence, cost_model, params
         self.layout = layout              # the verify layout (pipeline.engine.verify): what to price
+        self._table, self._asked = None, 0
 
     def plan(self, n: int, lengths, rows, mtp_gamma: int, pick, stats: SpecStats, mtp_prior: SpecStats | None,
              ctx: float, measuring: bool) -> StepDrafts:
@@ -112,9 +114,15 @@ class DraftPlanner:
         return StepDrafts(prop.drafts, None, prop.probs, None, mtp_gamma, None, None)
 
     def _ngram_table(self, stats: SpecStats, depth: int) -> torch.Tensor:
-        ev = self.evidence or SpecStats()
-        return acceptance_table(_add_list_maps(ev.source_reached, stats.source_reached),
-                                _add_list_maps(ev.source_accepted, stats.source_accepted), "ngram", depth)
+        """Per-depth acceptance by match length, re-estimated every TABLE_STEPS steps (it moves
+        slowly, and rebuilding it is a good part of a small batch's drafting time)."""
+        self._asked += 1
+        if self._table is None or self._table.shape[1] < depth or self._asked % TABLE_STEPS == 0:
+            ev = self.evidence or SpecStats()
+            self._table = acceptance_table(_add_list_maps(ev.source_reached, stats.source_reached),
+                                           _add_list_maps(ev.source_accepted, stats.source_accepted), "ngram",
+                                           max(depth, self.ngram_cap))
+        return self._table[:, :depth]
 
     def _lengths(self, p: torch.Tensor, n: int, ctx: float) -> torch.Tensor:
         model = self.cost_model()
@@ -123,10 +131,12 @@ class DraftPlanner:
         base, first, token = per_step_costs(model, n, ctx, p.shape[1])
         if self.layout == "padded":
             return padded_lengths(p, base, token, first, MIN_GAIN)
-        ragged = draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
         if self.layout == "packed":
-            return ragged
+            return draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
         padded = padded_lengths(p, base, token, first, MIN_GAIN)
+        if int((p[:, 0] > 0).sum()) * p.shape[1] + n > PACK_SHARE * n * (p.shape[1] + 1):
+            return padded                  # too many rows have drafts for a packed verify
+        ragged = draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
         width = int(ragged.max())          # auto: ragged where the verify will be packed and it predicts more
         if width and choose_layout(ragged, width, "auto") == "packed":
             gp_r = (n + float(_kept(p, ragged))) / (base + first + float(ragged.sum()) * token * GATHER_COST)

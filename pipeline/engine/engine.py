@@ -180,7 +180,7 @@ class Engine:
             if gamma > 0 and not self.heads and "ngram" not in sources:
                 raise ValueError(f"gamma={gamma} needs MTP heads; {self.model.path} has none (use gamma=0)")
         if "mtp" not in sources:
-            return FixedGamma(0, "the MTP heads do not draft in this call") if not hasattr(gamma, "choose") else gamma
+            return FixedGamma(0, "the MTP heads do not draft in this call")
         if gamma == "auto" and self.heads and self.gamma_max > 0:
             return self.auto_policy(prior=self.stats, rows=rows)
         return make_policy(gamma)
@@ -230,11 +230,11 @@ class _Run:
                  sources: tuple = ("mtp", "ngram"), gamma="auto", task: str | None = None):
         self.e, self.params, self.policy = engine, params, policy
         cfg = engine.config
-        self.auto = gamma == "auto" or isinstance(policy, GoodputPolicy)
+        self.auto = gamma == "auto" or isinstance(gamma, GoodputPolicy)
         self.mtp_cap = min(engine.gamma_max, policy.max_gamma()) if engine.heads and "mtp" in sources else 0
         ngram_cap = 0
         if "ngram" in sources:
-            ngram_cap = engine.gamma_max if gamma == "auto" else policy.max_gamma() if hasattr(gamma, "choose") else int(gamma)
+            ngram_cap = engine.gamma_max if gamma == "auto" else gamma.max_gamma() if hasattr(gamma, "choose") else int(gamma)
         self.gamma_cap = max(self.mtp_cap, ngram_cap)
         batch = min(engine.max_batch_size, len(rows))
         capacity = max(len(r.prompt_ids) + r.max_new for r in rows) + self.gamma_cap + 2
