@@ -125,3 +125,31 @@ def test_task_index_is_kept_per_task_across_calls(root):
     engine.generate(prompts, SamplingParams(max_new_tokens=8), gamma="auto", draft="ngram", task="a")
     assert engine.task_indexes["a"].held > held
     assert engine.ngram_evidence["a"].source_reached
+
+
+def test_a_plain_llama_shard_with_spec_draft_ngram_is_greedy_identical(tmp_path):
+    """The `+job=generate spec.draft=ngram` path without Ray: process_shard on a plain
+    transformers-made Llama (no heads) gives transformers' greedy text, and the stats row counts
+    the n-gram drafts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.cluster.worker import ShardTask, process_shard
+    from pipeline.config import DataConfig
+    from pipeline.data import open_source, plan_shards
+
+    path = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=0, draftable=0.1)
+    texts = [f"the quick brown fox {i} jumps over the quick brown fox" for i in range(6)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet")
+    source = open_source(str(tmp_path / "d.parquet"))
+    data = DataConfig(path=str(tmp_path / "d.parquet"), prompt_column="text")
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    task = ShardTask(plan_shards(source, 6)[0], 1, source.files, source.file_rows, data, (),
+                     SamplingParams(max_new_tokens=MAX_NEW), "auto", draft="ngram")
+    result = process_shard(engine, task, {"device": "cpu"}, {})
+    ids = [engine.tokenizer(t)["input_ids"] for t in texts]
+    refs = [engine.tokenizer.decode(r, skip_special_tokens=True) for r in hf_greedy(path, ids, MAX_NEW)]
+    assert result.table.column("generated_text").to_pylist() == refs
+    row = result.stats_rows[0]
+    assert row["drafted_by_source"].get("ngram", 0) > 0 and "mtp" not in row["drafted_by_source"]
+    assert sum(result.table.column("num_drafted_tokens").to_pylist()) == row["drafted_by_source"]["ngram"]
