@@ -82,3 +82,13 @@ def test_ragged_counts_per_source():
     assert merged.drafted_by_source == {"ngram": 10, "mtp": 4}
     assert merged.accepted_by_source == {"ngram": 6, "mtp": 2}
     assert merged.source_reached["ngram:3"] == [4, 2, 2]
+
+
+def test_acceptance_over_all_sources_pools_them_and_keeps_the_heads_apart():
+    s = SpecStats()
+    s.observe_source("ngram", [3, 1], [1, 1], "ngram:3")
+    s.observe_source("mtp", [2], [2])
+    s.observe_ragged([3, 1, 2], [1, 1, 2], depth_rows=[2])       # row 2 drafted with the heads
+    assert s.acceptance_by_depth_all_sources()[:2] == [1.0, 0.5]
+    assert s.acceptance_by_depth() == [1.0, 1.0]                  # the heads' evidence alone
+    assert s.row_steps == 3 and s.emitted_tokens == 4 + 3

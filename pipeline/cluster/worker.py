@@ -181,7 +181,8 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
     model = shard_cost_model(engine, stats.steps)
     measured = {
         **gamma_in_use(stats, gamma, getattr(engine, "last_policy", None)),
-        "acceptance_by_depth": [_finite(a) for a in stats.acceptance_by_depth()],
+        "acceptance_by_depth": [_finite(a) for a in getattr(stats, "acceptance_by_depth_all_sources",
+                                                             stats.acceptance_by_depth)()],
         "mean_acceptance_length": _finite(stats.mean_acceptance_length()),
         "tokens_per_s": generated / wall if wall > 0 else None,
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),

@@ -60,6 +60,8 @@ class DraftPlanner:
 
     def plan(self, n: int, lengths, rows, mtp_gamma: int, pick, stats: SpecStats, mtp_prior: SpecStats | None,
              ctx: float, measuring: bool) -> StepDrafts:
+        """`measuring`: the gamma policy calibrates the heads or measures plain decoding this
+        step, so no n-gram drafts (they would take rows from the heads' evidence or the price)."""
         dev = lengths.device
         mtp, ngram = self.sources.get("mtp"), self.sources.get("ngram")
         ng = None

@@ -322,7 +322,8 @@ class _Run:
         if self.planner is None:
             plan = StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=lengths.device), None, None, None, 0, None, None)
         else:
-            measuring = bool(getattr(self.policy, "decisions", None)) and self.policy.decisions[-1].measuring
+            last = self.policy.decisions[-1] if getattr(self.policy, "decisions", None) else None
+            measuring = last is not None and (last.measuring or last.calibrating)   # the heads' own steps
             plan = self.planner.plan(n, lengths, s.rows[:n], gamma, pick, self.stats,
                                      getattr(self.policy, "prior", None), ctx, measuring)
         drafts, width = plan.drafts, plan.drafts.shape[1]

@@ -94,6 +94,15 @@ class SpecStats:
     def acceptance_by_depth(self) -> list[float]:
         return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
 
+    def acceptance_by_depth_all_sources(self) -> list[float]:
+        """a_k over every source's drafts (what the rows' drafted and accepted counts say); the
+        per-depth counters above are the MTP heads' alone (the gamma policy's evidence)."""
+        if not self.source_reached:
+            return self.acceptance_by_depth()
+        r = [sum(col) for col in _columns(list(self.source_reached.values()))]
+        a = [sum(col) for col in _columns(list(self.source_accepted.values()))]
+        return [x / y if y else float("nan") for x, y in zip(a + [0] * (len(r) - len(a)), r)]
+
     def mean_acceptance_length(self) -> float:
         return self.emitted_tokens / self.row_steps if self.row_steps else float("nan")
 
@@ -158,3 +167,9 @@ def _add_list_maps(a: dict, b: dict) -> dict:
         n = max(len(x), len(y))
         out[k] = [(x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n)]
     return out
+
+
+def _columns(lists: list[list[int]]) -> list[list[int]]:
+    """Per-depth columns of count lists of any lengths. [[1, 2], [3]] -> [[1, 3], [2, 0]]."""
+    n = max((len(x) for x in lists), default=0)
+    return [[x[i] if i < len(x) else 0 for x in lists] for i in range(n)]
