@@ -3,8 +3,9 @@
 The MTP gamma comes from the gamma policy as before (it prices the heads' cost); the n-gram
 source proposes for every row at no model cost; each row then takes the source with more
 expected accepted tokens, and under `auto` the step keeps the drafts that pay for their verify
-cost (pipeline.spec_decode.row_drafts). With a fixed gamma every row drafts what its source has,
-up to gamma. The result is one padded draft tensor with a count per row.
+cost (pipeline.spec_decode.row_drafts); where none pays (a compute-bound batch) the lookup
+pauses for a growing number of steps, so its host time goes too. With a fixed gamma every row
+drafts what its source has, up to gamma. The result is one padded draft tensor with a count per row.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pipeline.spec_decode.row_drafts import acceptance_table, draft_lengths, kee
 from pipeline.spec_decode.stats import SpecStats, _add_list_maps
 
 MIN_GAIN = 0.05       # per-row drafts must predict this much over plain decoding (as GoodputPolicy.min_gain)
+MAX_WAIT = 16         # where no n-gram draft pays, the lookup pauses 1, 3, 7, 15 steps (at most this - 1)
 TABLE_STEPS = 16      # steps between re-estimates of the n-gram acceptance table
 GATHER_COST = 2.0     # a packed verify token costs about this many padded ones (cache gathers; measured on CPU)
 
@@ -57,6 +59,7 @@ class DraftPlanner:
         self.evidence, self.cost_model, self.params = evidence, cost_model, params
         self.layout = layout              # the verify layout (pipeline.engine.verify): what to price
         self._table, self._asked = None, 0
+        self._idle, self._wait = 0, 0     # steps in a row whose proposals did not pay; steps left to skip
 
     def plan(self, n: int, lengths, rows, mtp_gamma: int, pick, stats: SpecStats, mtp_prior: SpecStats | None,
              ctx: float, measuring: bool) -> StepDrafts:
@@ -65,7 +68,9 @@ class DraftPlanner:
         dev = lengths.device
         mtp, ngram = self.sources.get("mtp"), self.sources.get("ngram")
         ng = None
-        if ngram is not None and self.ngram_cap > 0 and not measuring:
+        if self._wait > 0:
+            self._wait -= 1
+        elif ngram is not None and self.ngram_cap > 0 and not measuring:
             ng = ngram.propose(DraftRequest(n, lengths, self.ngram_cap, pick, rows))
             if not bool((ng.draft_len > 0).any()):
                 ng = None
@@ -82,8 +87,11 @@ class DraftPlanner:
         p_ng[use_mtp] = 0
         ng_lens = self._lengths(p_ng, n, ctx) if self.auto else ng.draft_len.cpu()
         lens = torch.where(use_mtp, mtp_gamma, ng_lens)
-        if int(lens.sum()) == 0:          # no n-gram draft pays
+        if int(lens.sum()) == 0:          # no n-gram draft pays: look again after a growing pause
+            self._idle += 1
+            self._wait = min(2 ** self._idle, MAX_WAIT) - 1
             return self._mtp_only(n, lengths, rows, mtp_gamma, pick)
+        self._idle = 0
         width = int(lens.max())
         drafts = torch.full((n, width), PAD, dtype=torch.long, device=dev)
         drafts[:, :min(width, ng.drafts.shape[1])] = ng.drafts[:, :width]
