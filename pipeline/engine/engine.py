@@ -17,6 +17,7 @@ from pipeline.engine.costs import CostTracker
 from pipeline.engine.drafter import Drafter
 from pipeline.engine.drafters import MTPSource, NgramSource, Sources, TaskIndex, resolve_draft
 from pipeline.engine.drafting import DraftPlanner, StepDrafts
+from pipeline.engine.emit import emit_ragged, emit_uniform
 from pipeline.engine.verify import verify_forward
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingParams
 from pipeline.engine.warm_start import checkpoint_prior, ensure_profile
@@ -360,42 +361,13 @@ class _Run:
             self.e.costs.record(step, refine=self.refine)
 
     def _emit_uniform(self, n: int, gamma: int, acc_list: list[int], emitted_list: list[list[int]]) -> None:
-        """Every row drafted `gamma` tokens (the MTP heads, or none)."""
-        s = self.slots
-        for i in range(n):
-            row = s.rows[i]
-            row.out.num_drafted_tokens += gamma
-            row.out.num_accepted_tokens += acc_list[i]
-            if gamma:
-                row.drafted_steps += 1
-                row.first_hits += acc_list[i] > 0
-            row.emit(emitted_list[i][:acc_list[i] + 1], self.params, self.eos, self.e.tokenizer)
-        self.stats.observe_acceptance(gamma, acc_list)
-        if gamma:
-            self.stats.observe_source("mtp", [gamma] * n, acc_list)
+        emit_uniform(self.slots.rows[:n], self.stats, gamma, acc_list, emitted_list, self._emit)
 
     def _emit_ragged(self, n: int, plan: StepDrafts, acc_list: list[int], emitted_list: list[list[int]]) -> None:
-        """Rows with their own draft counts and sources: stats per source (and n-gram match)."""
-        s = self.slots
-        lens = plan.draft_len.tolist()
-        mtp = plan.use_mtp.tolist() if plan.use_mtp is not None else [False] * n
-        match = plan.match or [0] * n
-        groups: dict[str, tuple[list[int], list[int]]] = {}
-        for i in range(n):
-            row, g = s.rows[i], lens[i]
-            row.out.num_drafted_tokens += g
-            row.out.num_accepted_tokens += acc_list[i]
-            if g and mtp[i]:
-                row.drafted_steps += 1
-                row.first_hits += acc_list[i] > 0
-            if g:
-                lg, la = groups.setdefault("mtp" if mtp[i] else f"ngram:{match[i]}", ([], []))
-                lg.append(g)
-                la.append(acc_list[i])
-            row.emit(emitted_list[i][:acc_list[i] + 1], self.params, self.eos, self.e.tokenizer)
-        self.stats.observe_ragged(lens, acc_list, [i for i in range(n) if mtp[i] and lens[i]])
-        for key, (lg, la) in groups.items():
-            self.stats.observe_source(key.split(":")[0], lg, la, key)
+        emit_ragged(self.slots.rows[:n], self.stats, plan, acc_list, emitted_list, self._emit)
+
+    def _emit(self, row: Row, tokens: list[int]) -> None:
+        row.emit(tokens, self.params, self.eos, self.e.tokenizer)
 
     def _rows_apart(self, n: int) -> tuple:
         """For the cost-model policy: the rows it prices on their own (pipeline.spec_decode.policy):
