@@ -228,8 +228,11 @@ class _Run:
     """State of one generate() call: slots, caches, queue, draft sources."""
 
     def __init__(self, engine: Engine, rows: list[Row], params: SamplingParams, policy: GammaPolicy,
-                 sources: tuple = ("mtp", "ngram"), gamma="auto", task: str | None = None):
+                 sources: tuple = ("mtp",), gamma=None, task: str | None = None):
+        """`sources`: the draft sources (resolve_draft); `gamma`: the caller's gamma (default: the
+        policy); defaults draft with the heads under `policy` alone."""
         self.e, self.params, self.policy = engine, params, policy
+        gamma = policy if gamma is None else gamma
         cfg = engine.config
         self.auto = gamma == "auto" or isinstance(gamma, GoodputPolicy)
         self.mtp_cap = min(engine.gamma_max, policy.max_gamma()) if engine.heads and "mtp" in sources else 0

@@ -78,9 +78,3 @@ def padded_lengths(p: torch.Tensor, base_s: float, token_s: float, first_s: floa
     if goodput[best] <= (1 + min_gain) * n / base_s:
         return torch.zeros(n, dtype=torch.long)
     return (p[:, :best + 1] > 0).long().cumprod(dim=1).sum(dim=1)
-
-
-def pick_sources(expected: torch.Tensor) -> torch.Tensor:
-    """expected [n, S] accepted tokens per row and source -> [n] the source of each row (ties:
-    the first). Example: [[1.2, 0.4], [0.1, 0.3]] -> [0, 1]."""
-    return expected.argmax(dim=1)
