@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.engine.params import DEFAULT_GAMMA_MAX, SamplingParams
+from pipeline.engine.params import DEFAULT_GAMMA_MAX, DRAFT_CHOICES, SamplingParams
 
 
 class ConfigError(ValueError):
@@ -95,8 +95,11 @@ class SpecConfig:
     gamma: int | str = "auto"     # drafts per verify step: 'auto' (chosen per shard) or an int >= 0 (0 = none)
     gamma_max: int = DEFAULT_GAMMA_MAX   # caps 'auto'
     prior: str | None = None      # a run directory (or a spec_prior.json) whose acceptance starts the plans
+    draft: str = "auto"           # draft sources: 'auto' (per row, the source that pays), 'mtp', 'ngram', 'none'
 
     def __post_init__(self) -> None:
+        _check(self.draft in DRAFT_CHOICES,
+               f"spec.draft must be one of {', '.join(DRAFT_CHOICES)}, got {self.draft!r}")
         _check(_is_int(self.gamma_max) and self.gamma_max >= 0,
                f"spec.gamma_max must be an int >= 0, got {self.gamma_max!r}")
         if self.gamma != "auto":

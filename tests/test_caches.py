@@ -90,7 +90,7 @@ def test_mtp_caches_hold_prompt_and_accepted_tokens(tmp_path):
     for _ in range(4):
         run._admit()
         run._step()
-    s, drafter = run.slots, run.slots.drafter
+    s, drafter = run.slots, run.drafter         # the MTP heads behind the "mtp" source
     n = s.n
     drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))   # runs the fill
     assert engine.last_stats.accepted[0] > 0
@@ -128,7 +128,7 @@ def test_plain_steps_leave_a_gap_the_heads_do_not_bridge(tmp_path):
         run.policy = FixedGamma(gamma)
         run._admit()
         run._step()
-    s, drafter = run.slots, run.slots.drafter
+    s, drafter = run.slots, run.drafter         # the MTP heads behind the "mtp" source
     n = s.n
     drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))   # fills the newest
     for slot in range(n):

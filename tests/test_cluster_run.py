@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 DESIGN_STATS = ["shard_id", "task", "num_rows", "planned_gamma", "gamma", "gamma_steps", "calibration_steps",
                 "prior_row_steps", "gamma_reason", "gamma_candidates",
                 "predicted_goodput", "acceptance_by_depth", "mean_acceptance_length",
-                "tokens_per_s", "draft_time_s", "verify_time_s", "wall_time_s", "utilization",
+                "drafted_by_source", "accepted_by_source", "tokens_per_s", "draft_time_s", "verify_time_s", "wall_time_s", "utilization",
                 "device", "actor_id", "node_id", "attempt"]
 NUM_ROWS = 23
 

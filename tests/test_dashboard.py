@@ -19,7 +19,7 @@ from pipeline.spec_decode.cost import CostModel
 from tests.dashboard_runs import FAILURE, make_runs
 
 GRAFANA = Path(__file__).resolve().parents[1] / "infra" / "grafana" / "specbatch.json"
-CHARTS = ("gamma-histogram", "throughput", "gamma", "plan", "acceptance", "cost", "utilization", "commits")
+CHARTS = ("gamma-histogram", "throughput", "gamma", "plan", "acceptance", "sources", "cost", "utilization", "commits")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,10 @@ def test_one_shard_shows_every_chart_with_its_measurements(runs):
     assert names[0] == "measured (cpu)" and len(cost.data[0].x) == sum(len(r["cost_samples"]) for r in rows)
     assert any(n.startswith("policy's model (cpu)") for n in names)    # the fitted model's line
     assert all(CostModel.from_dict(json.loads(r["cost_model"])).knee >= 0 for r in rows)
+    by_source = figures.source_figure(rows)
+    drafted = {t.name: sum(t.y) for t in by_source.data}
+    pooled = sum(figures.source_counts(r, "drafted_by_source").get("mtp", 0) for r in rows)
+    assert drafted["mtp drafted"] == pooled > 0 and drafted["mtp accepted"] <= pooled
 
 
 def test_zero_shards_is_a_readable_page(runs):

@@ -56,7 +56,7 @@ def test_charts_render_without_javascript_errors(runs, tmp_path, name):
     assert len(drawn) == charts                               # plotly took every chart div ...
     assert len(re.findall(r'class="main-svg"', dom)) >= charts    # ... and drew SVG into it
     if name == "one":
-        assert charts == 8 and "measured tokens/s" in dom and "policy's model" in dom
+        assert charts == 9 and "measured tokens/s" in dom and "policy's model" in dom
     if name == "empty":
         assert charts == 0 and "no shard has finished yet" in dom
     if name == "failed":

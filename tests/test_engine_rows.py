@@ -61,7 +61,9 @@ def test_argument_checks(engine, tmp_path):
         Engine(engine.model, max_batch_size=0)
     no_heads = Engine.from_pretrained(tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=0), device="cpu")
     with pytest.raises(ValueError, match="needs MTP heads"):
-        no_heads.generate([[5, 6]], SamplingParams(max_new_tokens=2), gamma=2)
+        no_heads.generate([[5, 6]], SamplingParams(max_new_tokens=2), gamma=2, draft="mtp")
+    no_heads.generate([[5, 6, 5, 6]], SamplingParams(max_new_tokens=4), gamma=2)     # without heads: n-grams
+    assert set(no_heads.last_stats.drafted_by_source) <= {"ngram"}
     assert len(no_heads.generate([[5, 6]], SamplingParams(max_new_tokens=2), gamma="auto")[0].token_ids) >= 1
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Engine.from_pretrained(tmp_path / "missing", device="cpu")

@@ -47,7 +47,47 @@ def check_targets(cells: list[dict]) -> list[tuple[str, bool, str]]:
         if at1:
             r = min(c["systems"]["auto"]["tokens_per_s"] / c["systems"]["transformers"]["tokens_per_s"] for c in at1)
             out.append((f"auto >= 1.8 x transformers at batch 1 on {task}", r >= 1.8, f"worst {r:.2f}"))
+    return out + draft_targets(cells)
+
+
+def draft_targets(cells: list[dict]) -> list[tuple[str, bool, str]]:
+    """The draft-source targets: per-row sources (`draft=auto`) against the heads alone (`auto`),
+    gamma 0 and the better single source (`auto` or `draft=ngram`)."""
+    out, worst = [], (9.0, "")
+    for c in cells:
+        s = {k: v["tokens_per_s"] for k, v in c["systems"].items()}
+        if "draft=auto" not in s:
+            continue
+        where = f"{c['task']} T={c['temperature']} {c['prompt_length']} batch {c['batch']}"
+        single = [s[k] for k in ("auto", "draft=ngram") if s.get(k)]
+        if single:
+            worst = min(worst, (s["draft=auto"] / max(single), where))
+        if c["task"] == "json" and c["batch"] == 1 and s.get("auto"):
+            r = s["draft=auto"] / s["auto"]
+            out.append(("json batch 1: draft=auto >= 1.25 x auto (heads only)", r >= 1.25, f"{r:.2f} ({where})"))
+        if c["task"] == "json" and c["batch"] >= 32 and s.get("gamma=0"):
+            r = s["draft=auto"] / s["gamma=0"]
+            out.append((f"json batch {c['batch']}: draft=auto >= 1.2 x gamma 0", r >= 1.2, f"{r:.2f} ({where})"))
+    if worst[1]:
+        out.append(("draft=auto >= 0.97 x the better single source in every cell", worst[0] >= 0.97,
+                    f"worst {worst[0]:.2f} ({worst[1]})"))
     return out
+
+
+def source_lines(cells: list[dict]) -> list[str]:
+    """Per cell and drafting system: tokens per step, draft tokens (accepted) per source, and
+    the share of decode time spent drafting (heads, n-gram lookup, per-row choice)."""
+    lines = ["", "## Draft sources", "", "| cell | system | tokens/s | tokens per step | drafted (accepted) by source "
+             "| drafting share of decode |", "|---|---|---|---|---|---|"]
+    for c in cells:
+        for name, v in c["systems"].items():
+            if not v.get("drafted_by_source") and not name.startswith("draft="):
+                continue
+            src = ", ".join(f"{k} {n} ({v['accepted_by_source'].get(k, 0)})" for k, n in sorted(v["drafted_by_source"].items()))
+            lines.append(f"| {c['task']} b={c['batch']} ({c.get('rows', c['batch'])} rows) | {name} | "
+                         f"{_fmt(v['tokens_per_s'])} | {_fmt(v['mean_acceptance_length'], '.2f')} | {src or '-'} | "
+                         f"{_fmt(100 * v['draft_share'] if v.get('draft_share') is not None else None, '.1f')}% |")
+    return lines if len(lines) > 5 else []
 
 
 def _fmt(x, spec=".0f"):
@@ -93,6 +133,7 @@ def write_markdown(result: dict, path: Path, machine: dict) -> str:
                   + "; ".join(roof) + "."]
         prefill = [f"batch {c['batch']}: {1000 * c['systems'].get('gamma=0', {}).get('prefill_s', 0):.0f} ms" for c in group]
         lines += ["", "Engine prefill time (excluded above): " + "; ".join(prefill) + "."]
+    lines += source_lines(cells)
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text

@@ -41,6 +41,11 @@ class BenchSpec:
     device: str = "auto"
     seed: int = 0
     threads: int = 0                       # torch CPU threads (0: torch's default)
+    drafts: tuple[str, ...] = ()           # gamma=auto with these draft sources too ("auto", "ngram", ...)
+    layouts: tuple[str, ...] = ()          # draft=auto again with these verify layouts ("padded", "packed")
+    min_rows: int = 1                      # prompts per cell at least (a batch-1 cell decodes them in turn)
+    gamma_max: int = 0                     # caps auto (0: the largest of `gammas`)
+    index_rows: int = 480                  # rows of each task (not the cells') whose outputs seed the n-gram index
 
 
 @dataclass
@@ -64,13 +69,14 @@ class Systems:
     pad_id: int
     eos_ids: tuple
     roofline: Roofline
+    indexes: dict = field(default_factory=dict)     # task -> the n-gram index each timed call starts from
 
 
 def load_systems(spec: BenchSpec) -> Systems:
     import transformers
 
     engine = Engine.from_pretrained(spec.model_path, device=spec.device, max_batch_size=max(spec.batches),
-                                    gamma_max=max(spec.gammas))
+                                    gamma_max=spec.gamma_max or max(spec.gammas))
     hf = None
     if spec.transformers:
         hf = transformers.AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=engine.dtype,
@@ -93,7 +99,7 @@ def cell_prompts(spec: BenchSpec, engine: Engine, task: str, length: str, n: int
 
 
 def make_cells(spec: BenchSpec, engine: Engine) -> list[Cell]:
-    return [Cell(t, temp, length, b, cell_prompts(spec, engine, t, length, b))
+    return [Cell(t, temp, length, b, cell_prompts(spec, engine, t, length, max(b, spec.min_rows)))
             for t in spec.tasks for temp in spec.temperatures for length in spec.prompt_lengths for b in spec.batches]
 
 
@@ -104,7 +110,29 @@ def systems_for(spec: BenchSpec, batch: int) -> list[str]:
     names += [f"gamma={g}" for g in spec.gammas]
     if spec.auto:
         names.append("auto")
+    names += [f"draft={d}" for d in spec.drafts]
+    names += [f"draft=auto/{layout}" for layout in spec.layouts]
     return names
+
+
+def task_indexes(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
+    """task -> a TaskIndex of the outputs of `index_rows` rows of the task that no cell uses,
+    as earlier shards of the task leave it on an actor (each timed call starts from a copy, so no
+    call sees its own or an earlier repetition's outputs)."""
+    from pipeline.engine.drafters import TaskIndex
+    from pipeline.engine.engine import TASK_INDEX_TOKENS
+
+    if not (spec.drafts or spec.layouts) or spec.data_path is None:
+        return {}
+    skip = max(max(len(c.prompts) for c in cells), 1)
+    out = {}
+    for task in {c.task for c in cells if c.task != RANDOM}:
+        prompts = task_prompts(spec.data_path, task, skip + spec.index_rows, sut.engine.tokenizer)[skip:]
+        index = TaskIndex(TASK_INDEX_TOKENS)
+        for o in sut.engine.generate(prompts, SamplingParams(max_new_tokens=spec.max_new_tokens), gamma=0, draft="none"):
+            index.add(o.token_ids)
+        out[task] = index
+    return out
 
 
 def warm_up(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
@@ -114,8 +142,13 @@ def warm_up(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
     for cell in cells:
         sut.engine.max_batch_size = cell.batch
         warm = cell.prompts if cell.batch >= 8 else cell_prompts(spec, sut.engine, cell.task, cell.prompt_length, 8)
-        sut.engine.generate(warm, _params(spec, cell), gamma=sut.engine.auto_policy())
+        sut.engine.generate(warm, _params(spec, cell), gamma=sut.engine.auto_policy(),
+                            draft="mtp" if sut.engine.heads else "none")
         priors[cell.key()] = sut.engine.last_stats.counts()
+        if spec.drafts or spec.layouts:        # the n-gram source's acceptance by match length, likewise
+            _fresh_index(sut, cell)
+            sut.engine.ngram_evidence.pop(cell.task, None)
+            sut.engine.generate(warm, _params(spec, cell), gamma="auto", draft="ngram", task=cell.task)
         if sut.hf is not None:
             run_transformers(sut.hf, cell.prompts[:1], _params(spec, cell, new=4), sut.pad_id, sut.eos_ids)
     return priors
@@ -129,8 +162,29 @@ def measure(spec: BenchSpec, sut: Systems, cell: Cell, name: str, prior) -> Meas
     if name == "prompt_lookup":
         return run_transformers(sut.hf, cell.prompts, params, sut.pad_id, sut.eos_ids,
                                 lookup=spec.prompt_lookup_tokens)
+    if name.startswith("draft="):
+        draft, _, layout = name.split("=")[1].partition("/")
+        _fresh_index(sut, cell)
+        sut.engine.verify_layout = layout or "auto"
+        try:
+            return run_engine(sut.engine, cell.prompts, params, sut.engine.auto_policy(prior=prior), sut.roofline,
+                              draft=draft, task=cell.task)
+        finally:
+            sut.engine.verify_layout = "auto"
     gamma = sut.engine.auto_policy(prior=prior) if name == "auto" else int(name.split("=")[1])
-    return run_engine(sut.engine, cell.prompts, params, gamma, sut.roofline)
+    mtp_only = "mtp" if sut.engine.heads else "none"     # "auto" is the heads' policy alone, as before n-grams
+    return run_engine(sut.engine, cell.prompts, params, gamma, sut.roofline, draft=mtp_only if name == "auto" else "auto")
+
+
+def _fresh_index(sut: Systems, cell: Cell) -> None:
+    """The task's n-gram index as the warm-up left it (pipeline.bench.runner.task_indexes)."""
+    import copy
+
+    seed = sut.indexes.get(cell.task)
+    if seed is None:
+        sut.engine.task_indexes.pop(cell.task, None)
+    else:
+        sut.engine.task_indexes[cell.task] = copy.deepcopy(seed)
 
 
 def time_cells(spec: BenchSpec, sut: Systems, cells: list[Cell], priors: dict, log=print) -> None:
@@ -150,6 +204,7 @@ def run_matrix(spec: BenchSpec, log=print) -> dict:
         torch.set_num_threads(spec.threads)
     sut = load_systems(spec)
     cells = make_cells(spec, sut.engine)
+    sut.indexes = task_indexes(spec, sut, cells)
     priors = warm_up(spec, sut, cells)
     time_cells(spec, sut, cells, priors, log)
     return {"engine": sut.engine, "roofline": sut.roofline, "cells": [summarize_cell(c) for c in cells]}
@@ -162,7 +217,8 @@ def _params(spec: BenchSpec, cell: Cell, new: int | None = None) -> SamplingPara
 
 def summarize_cell(cell: Cell) -> dict:
     out = {"task": cell.task, "temperature": cell.temperature, "prompt_length": cell.prompt_length,
-           "batch": cell.batch, "prompt_tokens": statistics.mean(len(p) for p in cell.prompts), "systems": {}}
+           "batch": cell.batch, "rows": len(cell.prompts),
+           "prompt_tokens": statistics.mean(len(p) for p in cell.prompts), "systems": {}}
     for name, ms in cell.results.items():
         latencies = [x for m in ms for x in m.token_latency_s]
         roof = [m.roofline_s / m.decode_s for m in ms if m.roofline_s]
@@ -173,6 +229,8 @@ def summarize_cell(cell: Cell) -> dict:
             "p95_token_latency_ms": _ms(percentile(latencies, 95)),
             "mean_acceptance_length": ms[-1].mean_acceptance_length,
             "roofline_fraction": statistics.median(roof) if roof else None,
+            "drafted_by_source": ms[-1].drafted_by_source, "accepted_by_source": ms[-1].accepted_by_source,
+            "draft_share": statistics.median(m.draft_s / m.decode_s for m in ms) if ms[-1].decode_s else None,
         }
     return out
 

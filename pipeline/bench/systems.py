@@ -22,6 +22,9 @@ class Measurement:
     token_latency_s: list[float] = field(default_factory=list)   # one per step (weights: rows)
     mean_acceptance_length: float | None = None
     roofline_s: float | None = None        # ideal decode time at the machine's ceilings
+    draft_s: float = 0.0                   # drafting (heads, n-gram lookup and per-row choice)
+    drafted_by_source: dict = field(default_factory=dict)
+    accepted_by_source: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -33,17 +36,18 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(engine, prompts, params, gamma, roofline=None) -> Measurement:
+def run_engine(engine, prompts, params, gamma, roofline=None, draft: str = "auto", task=None) -> Measurement:
     _sync(engine.device)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, gamma=gamma)
+    outs = engine.generate(prompts, params, gamma=gamma, draft=draft, task=task)
     wall = time.perf_counter() - t0
     stats = engine.last_stats
     prefill = stats.prefill_time_s
     latencies = [(s.verify_s + s.draft_s) / (s.emitted / s.rows) for s in stats.steps if s.emitted]
     ideal = sum(roofline.step_s(s.rows * s.query_len) for s in stats.steps) if roofline else None
     return Measurement(sum(len(o.token_ids) - 1 for o in outs if o.token_ids), wall - prefill, prefill,
-                       latencies, stats.mean_acceptance_length(), ideal)
+                       latencies, stats.mean_acceptance_length(), ideal, stats.draft_time_s,
+                       dict(stats.drafted_by_source), dict(stats.accepted_by_source))
 
 
 class _StepClock:

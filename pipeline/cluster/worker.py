@@ -8,6 +8,7 @@ gets an output row with `error` set and is not sent to the engine.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class ShardTask:
     sampling: SamplingParams
     gamma: int | str                  # spec.gamma: 'auto' or an int >= 0
     gamma_max: int = DEFAULT_GAMMA_MAX   # spec.gamma_max: caps 'auto'
+    draft: str = "auto"               # spec.draft: 'auto', 'mtp', 'ngram' or 'none'
     output_dir: str | None = None     # run directory (path or URI) the actor commits to; None: return rows
     probe: tuple[int, int] | None = None   # only rows [lo, hi) of the shard, output discarded (narrow.py)
     bad_rows: tuple[tuple[int, str], ...] = ()   # (row of the shard, error): written, not generated
@@ -133,9 +135,28 @@ def _finite(x: float) -> float | None:
     return None if x != x else x
 
 
+def source_kwargs(engine: Any, draft: str, task: str | None) -> dict:
+    """`draft=` and `task=` for engine.generate, where it takes them (the n-gram source searches
+    the task's earlier outputs on this actor). An engine without them drafts as it always did."""
+    params = inspect.signature(engine.generate).parameters
+    out = {}
+    if "draft" in params:
+        out["draft"] = draft
+    if "task" in params:
+        out["task"] = task
+    return out
+
+
+def source_stats(stats: Any) -> dict:
+    """The stats row's per-source maps: draft tokens verified and accepted, by source."""
+    return {"drafted_by_source": dict(getattr(stats, "drafted_by_source", {}) or {}),
+            "accepted_by_source": dict(getattr(stats, "accepted_by_source", {}) or {})}
+
+
 def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: SamplingParams,
                    gamma: int | str, info: dict, prior: Any = None,
-                   plan: TaskPlan | None = None) -> tuple[list[dict], dict, Any]:
+                   plan: TaskPlan | None = None, draft: str = "auto",
+                   task: str | None = None) -> tuple[list[dict], dict, Any]:
     """One generate call; per-row results, the measured part of the stats row, and the call's
     acceptance counters (the prior for this task's next shard on this actor).
 
@@ -150,7 +171,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
                   engine.auto_policy(prior=prior, planned=plan.gamma, calibrate=plan.calibrate, rows=len(prompts)))
     wall0 = time.perf_counter()
     with UtilizationMeter(info.get("device", "cpu"), int(info.get("threads", 1))) as meter:
-        outs = engine.generate(prompts, sampling, gamma=policy, row_keys=keys)
+        outs = engine.generate(prompts, sampling, gamma=policy, row_keys=keys, **source_kwargs(engine, draft, task))
     wall = time.perf_counter() - wall0
     if hasattr(engine, "note_utilization"):
         engine.note_utilization(meter.value)       # a large change re-profiles before the next shard
@@ -160,12 +181,13 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
     model = shard_cost_model(engine, stats.steps)
     measured = {
         **gamma_in_use(stats, gamma, getattr(engine, "last_policy", None)),
-        "acceptance_by_depth": [_finite(a) for a in stats.acceptance_by_depth()],
+        "acceptance_by_depth": [_finite(a) for a in getattr(stats, "acceptance_by_depth_all_sources",
+                                                             stats.acceptance_by_depth)()],
         "mean_acceptance_length": _finite(stats.mean_acceptance_length()),
         "tokens_per_s": generated / wall if wall > 0 else None,
         "draft_time_s": float(stats.draft_time_s), "verify_time_s": float(stats.verify_time_s),
         "host_time_s": _finite(getattr(stats, "host_time_s", float("nan"))),   # gamma choice, emits, stop checks
-        "utilization": meter.value, "num_generated_tokens": generated,
+        "utilization": meter.value, "num_generated_tokens": generated, **source_stats(stats),
         "cost_samples": cost_samples(stats.steps),      # for the dashboard's cost-model plot
         "cost_model": cost_model_json(model),
         "predicted_goodput_gamma0": predicted_gamma0_tokens_per_s(stats.steps, model, generated, wall),
@@ -201,7 +223,8 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
         if good:
             outs, measured, counts = generate_group(
                 engine, [prompts[i] for i in good], [row_key(id_values[i]) for i in good], task.sampling,
-                task.gamma, info, priors.get(name), task.plan.for_task(name) if task.plan else None)
+                task.gamma, info, priors.get(name), task.plan.for_task(name) if task.plan else None,
+                task.draft, name)
             if counts is not None:
                 priors[name] = counts if name not in priors else priors[name].merge(counts)
             for i, r in zip(good, outs):

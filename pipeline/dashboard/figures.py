@@ -1,5 +1,6 @@
 """The speculation charts: gamma histogram, tokens/s against predicted gamma-0 tokens/s,
-gamma per shard by task (reason on hover), per-depth acceptance per task.
+gamma per shard by task (reason on hover), per-depth acceptance per task, draft tokens per
+source.
 
 Each function takes the stats rows (one per shard x task) and returns a plotly Figure, or None
 when there is nothing to draw yet; the page shows a note instead.
@@ -165,3 +166,32 @@ def acceptance_figure(rows: Rows) -> go.Figure | None:
     fig.update_yaxes(range=[0, 1.05])
     return styled(fig, "Per-depth acceptance a_k per task (P(draft k accepted | 1..k-1 accepted))",
                   "depth k", "a_k")
+
+
+def source_counts(row: dict, key: str) -> dict[str, int]:
+    """A stats row's per-source map (Parquet reads a map back as (key, value) pairs)."""
+    value = row.get(key) or {}
+    return {str(k): int(v or 0) for k, v in (value.items() if isinstance(value, dict) else value)}
+
+
+def source_figure(rows: Rows) -> go.Figure | None:
+    """Draft tokens verified and accepted per source (mtp, ngram) per shard, acceptance on hover."""
+    done = [r for r in rows if source_counts(r, "drafted_by_source")]
+    if not done:
+        return None
+    sources = sorted({s for r in done for s in source_counts(r, "drafted_by_source")})
+    x = [shard_label(r) for r in done]
+    fig = go.Figure()
+    for i, source in enumerate(sources):
+        drafted = [source_counts(r, "drafted_by_source").get(source, 0) for r in done]
+        accepted = [source_counts(r, "accepted_by_source").get(source, 0) for r in done]
+        rate = [f"{a / d:.0%}" if d else "-" for a, d in zip(accepted, drafted)]
+        color = PALETTE[i % len(PALETTE)]
+        fig.add_trace(go.Bar(name=f"{source} drafted", x=x, y=drafted, marker_color=color, opacity=0.45,
+                             offsetgroup=source, hovertemplate=f"shard %{{x}}: {source} drafted %{{y}}<extra></extra>"))
+        fig.add_trace(go.Bar(name=f"{source} accepted", x=x, y=accepted, marker_color=color, offsetgroup=source,
+                             customdata=rate, base=0,
+                             hovertemplate=f"shard %{{x}}: {source} accepted %{{y}} (%{{customdata}})<extra></extra>"))
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(type="category")
+    return styled(fig, "Draft tokens per source per shard: drafted and accepted", "shard/task", "draft tokens")

@@ -24,6 +24,7 @@ CHARTS: list[tuple[str, Callable, str]] = [
     ("gamma", figures.gamma_figure, "no shard has a gamma yet"),
     ("plan", figures.plan_figure, "no shard has a plan yet"),
     ("acceptance", figures.acceptance_figure, "no drafts verified yet (gamma 0 or no shards)"),
+    ("sources", figures.source_figure, "no drafts verified yet (by any source)"),
     ("cost", timeline.cost_figure, "no verify-step samples yet"),
     ("utilization", timeline.utilization_figure, "no utilisation measured yet"),
     ("commits", timeline.commits_figure, "no shard committed yet"),
@@ -31,6 +32,7 @@ CHARTS: list[tuple[str, Callable, str]] = [
 
 TITLES = {"gamma-histogram": "Verify steps per gamma", "plan": "Planned vs used gamma per shard", "throughput": "Tokens/s per shard",
           "gamma": "Gamma per shard", "acceptance": "Per-depth acceptance per task",
+          "sources": "Draft tokens per source",
           "cost": "Verify cost model", "utilization": "Utilisation over time",
           "commits": "Shards committed per actor over time"}
 

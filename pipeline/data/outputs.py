@@ -24,6 +24,8 @@ STATS_SCHEMA = pa.schema([
     ("predicted_goodput", pa.list_(pa.float64())),
     ("acceptance_by_depth", pa.list_(pa.float64())),  # a_k, k = 1..
     ("mean_acceptance_length", pa.float64()),       # emitted tokens per verify step per row
+    ("drafted_by_source", pa.map_(pa.string(), pa.int64())),   # draft tokens verified per source (mtp, ngram)
+    ("accepted_by_source", pa.map_(pa.string(), pa.int64())),  # ... and accepted
     ("tokens_per_s", pa.float64()),                 # generated tokens / wall time
     ("draft_time_s", pa.float64()),
     ("verify_time_s", pa.float64()),

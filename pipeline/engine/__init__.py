@@ -1,4 +1,4 @@
-"""Batched speculative decoding with MTP draft heads (no Ray needed).
+"""Batched speculative decoding with draft sources: MTP heads and n-gram matches (no Ray needed).
 
 `Engine` (and with it torch) is imported on first use, so the run configuration can use
 `SamplingParams` without loading torch.

@@ -1,9 +1,10 @@
 """The batched speculative decoder with continuous batching, usable without Ray.
 
 One iteration (`_step`): admit queued rows into free slots (batched prefills of prompts of
-similar length, `prefill_groups`), choose gamma, draft with the MTP heads, verify last token +
-drafts in one target forward for every active row, accept per row, emit. Each row advances by
-its own acceptance length; rejected drafts are rolled back by not advancing its length.
+similar length, `prefill_groups`), choose gamma, draft (each row from its own source, with its
+own number of drafts: pipeline.engine.drafting), verify last token + drafts in one target
+forward for every active row, accept per row, emit. Each row advances by its own acceptance
+length; rejected drafts are rolled back by not advancing its length.
 """
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ import torch
 
 from pipeline.engine.coupled import CoupledSampler
 from pipeline.engine.costs import CostTracker
-from pipeline.engine.drafter import Drafter, PendingFill
+from pipeline.engine.drafter import Drafter
+from pipeline.engine.drafters import MTPSource, NgramSource, Sources, TaskIndex, resolve_draft
+from pipeline.engine.drafting import DraftPlanner, StepDrafts
+from pipeline.engine.emit import emit_ragged, emit_uniform
+from pipeline.engine.verify import verify_forward
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingParams
 from pipeline.engine.warm_start import checkpoint_prior, ensure_profile
 from pipeline.engine.rows import Row
@@ -23,12 +28,14 @@ from pipeline.model.cache import Batch, KVCache
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec_decode import rng
 from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample
+from pipeline.spec_decode.ragged_accept import rejection_sample_ragged
 from pipeline.spec_decode.cost import CostModel
-from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext, make_policy
+from pipeline.spec_decode.policy import FEW_ROWS, FixedGamma, GammaPolicy, GoodputPolicy, StepContext, make_policy
 from pipeline.spec_decode.sampling import filtered_probs, sample
 from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
 
 
+TASK_INDEX_TOKENS = 32768   # output tokens an engine keeps per task for n-gram drafting
 _KEEP_STEPS = 4096      # step records an engine keeps for the cost model and stats export
 PAD_SLACK = 1.25        # a prefill forward computes at most this many (padded) tokens per prompt token
 
@@ -69,6 +76,9 @@ class Engine:
         self.last_policy: GammaPolicy | None = None   # its .decisions explain each step's gamma
         self._caches: dict[str, KVCache] = {}          # the last call's KV caches, reused where they fit
         self.spec_prior: SpecStats | None = checkpoint_prior(getattr(loaded, "path", None))   # all tasks pooled
+        self.task_indexes: dict[str | None, TaskIndex] = {}   # task -> its recent outputs (n-gram drafting)
+        self.ngram_evidence: dict[str | None, SpecStats] = {}  # task -> n-gram acceptance by match and depth
+        self.verify_layout = "auto"           # "padded" | "packed" | "auto" (pipeline.engine.verify)
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,
@@ -140,14 +150,19 @@ class Engine:
     # ---- public entry ------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts, params: SamplingParams | None = None, gamma="auto",
-                 row_keys=None) -> list[RequestOutput]:
+                 row_keys=None, draft: str = "auto", task: str | None = None) -> list[RequestOutput]:
         """One output per prompt, in order. `gamma`: an int >= 0, "auto", or a GammaPolicy.
         `row_keys`: optional int per prompt keying its random stream (default: its position),
-        so a row samples the same tokens whichever batch, shard or retry it runs in."""
+        so a row samples the same tokens whichever batch, shard or retry it runs in.
+        `draft`: "auto" (per row, the source that pays), "mtp", "ngram" or "none". `task`: the
+        rows' task: n-gram drafting searches that task's recent outputs (kept across calls)."""
         params = params or SamplingParams()
         if row_keys is not None and len(row_keys) != len(prompts):
             raise ValueError(f"row_keys has {len(row_keys)} entries for {len(prompts)} prompts")
-        policy = self._resolve_policy(gamma, len(prompts))
+        sources = resolve_draft(draft, bool(self.heads))
+        if draft == "auto" and not (gamma == "auto" or hasattr(gamma, "choose")) and self.heads:
+            sources = ("mtp",)            # an int gamma with heads means what it always meant: the heads
+        policy = self._resolve_policy(gamma, len(prompts), sources)
         self.last_policy = policy
         rows = [self._make_row(i, p, params) for i, p in enumerate(prompts)]
         for row, key in zip(rows, row_keys or ()):
@@ -155,19 +170,22 @@ class Engine:
         live = [r for r in rows if r.out.error is None]
         self.last_stats = SpecStats()
         if live:
-            _Run(self, live, params, policy).run()
+            _Run(self, live, params, policy, sources, gamma, task).run()
         self.stats = self.stats.merge(self.last_stats)
         del self.stats.steps[:-_KEEP_STEPS], self.stats.prefills[:-_KEEP_STEPS]   # bounded memory
         return [r.finalize(params, self.tokenizer) if r.out.error is None else r.out for r in rows]
 
-    def _resolve_policy(self, gamma, rows: int | None = None) -> GammaPolicy:
+    def _resolve_policy(self, gamma, rows: int | None = None, sources: tuple = ("mtp", "ngram")) -> GammaPolicy:
+        """The MTP gamma policy (FixedGamma(0) where the heads do not draft)."""
         if isinstance(gamma, bool) or not (gamma == "auto" or isinstance(gamma, int) or hasattr(gamma, "choose")):
             raise ValueError(f"gamma must be an int >= 0, 'auto' or a policy, got {gamma!r}")
         if isinstance(gamma, int):
             if gamma < 0:
                 raise ValueError(f"gamma must be >= 0, got {gamma}")
-            if gamma > 0 and not self.heads:
+            if gamma > 0 and not self.heads and "ngram" not in sources:
                 raise ValueError(f"gamma={gamma} needs MTP heads; {self.model.path} has none (use gamma=0)")
+        if "mtp" not in sources:
+            return FixedGamma(0, "the MTP heads do not draft in this call")
         if gamma == "auto" and self.heads and self.gamma_max > 0:
             return self.auto_policy(prior=self.stats, rows=rows, explore=True)
         return make_policy(gamma)
@@ -211,23 +229,46 @@ class Engine:
 
 
 class _Run:
-    """State of one generate() call: slots, caches, queue."""
+    """State of one generate() call: slots, caches, queue, draft sources."""
 
-    def __init__(self, engine: Engine, rows: list[Row], params: SamplingParams, policy: GammaPolicy):
+    def __init__(self, engine: Engine, rows: list[Row], params: SamplingParams, policy: GammaPolicy,
+                 sources: tuple = ("mtp",), gamma=None, task: str | None = None):
+        """`sources`: the draft sources (resolve_draft); `gamma`: the caller's gamma (default: the
+        policy); defaults draft with the heads under `policy` alone."""
         self.e, self.params, self.policy = engine, params, policy
+        gamma = policy if gamma is None else gamma
         cfg = engine.config
-        self.gamma_cap = min(engine.gamma_max, policy.max_gamma()) if engine.heads else 0
+        self.auto = gamma == "auto" or isinstance(gamma, GoodputPolicy)
+        self.mtp_cap = min(engine.gamma_max, policy.max_gamma()) if engine.heads and "mtp" in sources else 0
+        ngram_cap = 0
+        if "ngram" in sources:
+            ngram_cap = engine.gamma_max if gamma == "auto" else gamma.max_gamma() if hasattr(gamma, "choose") else int(gamma)
+        self.gamma_cap = max(self.mtp_cap, ngram_cap)
         batch = min(engine.max_batch_size, len(rows))
         capacity = max(len(r.prompt_ids) + r.max_new for r in rows) + self.gamma_cap + 2
         self.cache = engine.kv_cache("target", cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
         self.drafter = None
-        if engine.heads and self.gamma_cap > 0:
+        found = {}
+        if self.mtp_cap > 0:
             attn = engine.heads[0].self_attn
             heads_cache = engine.kv_cache("heads", len(engine.heads), batch, capacity, attn.num_kv_heads, attn.head_dim)
             self.drafter = Drafter(engine.heads, batch, capacity, cfg.hidden_size, engine.dtype, engine.device,
                                    cache=heads_cache)
             self.drafter.full_vocab_picks = params.coupled
-        self.slots = Slots(batch, engine.device, self.drafter, self.cache)
+            found["mtp"] = MTPSource(self.drafter)
+        if ngram_cap > 0:
+            index = engine.task_indexes.setdefault(task, TaskIndex(TASK_INDEX_TOKENS))
+            found["ngram"] = NgramSource(index, engine.device)
+            if self.auto:
+                ensure_profile(engine, rows=batch, explore=self.mtp_cap > 0)   # per-row choice prices drafts by the cost model
+        self.sources = Sources(found) if found else None
+        self.planner = None
+        if found:
+            evidence = engine.ngram_evidence.get(task)
+            self.planner = DraftPlanner(self.sources, self.auto, ngram_cap, evidence, engine.cost_model, params,
+                                        engine.verify_layout)
+        self.task = task
+        self.slots = Slots(batch, engine.device, self.sources, self.cache)
         self.queue = deque(rows)
         self.eos = frozenset(cfg.eos_token_ids)
         self.stats = engine.last_stats
@@ -239,6 +280,11 @@ class _Run:
         while self.queue or self.slots.n:
             self._admit()
             self._step()
+        if self.sources is not None and self.sources.get("ngram") is not None:
+            st = self.stats
+            ev = self.e.ngram_evidence.get(self.task) or SpecStats()
+            self.e.ngram_evidence[self.task] = ev.merge(SpecStats(source_reached=st.source_reached,
+                                                                  source_accepted=st.source_accepted))
 
     # ---- admission: batched prefill of queued rows into free slots ----------------------------
     def _admit(self) -> None:
@@ -262,11 +308,8 @@ class _Run:
         keys = torch.tensor([r.key for r in rows], device=dev)
         first = self._sample_target(self.e.target.logits(hidden[idx, lens - 1]), keys, lens)
         self.slots.place(slot_ids, rows, lens, first)
-        if self.slots.drafter is not None:
-            next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-            next_ids[idx, lens - 1] = first
-            self.slots.drafter.add_pending(PendingFill(slots, torch.zeros_like(lens), hidden, next_ids, lens,
-                                                       from_zero=True))
+        for source in self.sources or ():
+            source.after_prefill(slots, hidden, ids, lens, first)
         for r, tok in zip(rows, first.tolist()):
             r.emit([tok], self.params, self.eos, self.e.tokenizer)
         self._sync()
@@ -283,51 +326,67 @@ class _Run:
         lengths = s.lengths[:n]                     # unchanged until s.advance below
         ctx = float(lengths.float().mean())
         gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
-                                                   rows_apart=self._rows_apart(n))), self.gamma_cap)
+                                                   rows_apart=self._rows_apart(n))), self.mtp_cap)
         t0 = time.perf_counter()
         keys = s.keys[:n]
-        if gamma > 0:
-            drafts, draft_probs = s.drafter.propose(n, lengths, gamma, lambda lg, d: self._pick_draft(lg, keys, lengths + d))
+        pick = lambda lg, d: self._pick_draft(lg, keys, lengths + d)    # noqa: E731
+        if self.planner is None:
+            plan = StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=lengths.device), None, None, None, 0, None, None)
         else:
-            drafts, draft_probs = torch.zeros(n, 0, dtype=torch.long, device=lengths.device), None
-            if s.drafter is not None:
-                s.drafter.discard_pending()
+            last = self.policy.decisions[-1] if getattr(self.policy, "decisions", None) else None
+            measuring = last is not None and (last.measuring or last.calibrating)   # the heads' own steps
+            plan = self.planner.plan(n, lengths, s.rows[:n], gamma, pick, self.stats,
+                                     getattr(self.policy, "prior", None), ctx, measuring)
+        drafts, width = plan.drafts, plan.drafts.shape[1]
         self._sync()
         t1 = time.perf_counter()
-        tokens = torch.cat([s.last_token[:n, None], drafts], dim=1)                # [n, gamma + 1]
-        positions = lengths[:, None] + torch.arange(gamma + 1, device=lengths.device)
-        hidden = self.e.target(tokens, Batch.make(positions), self.cache)         # [n, gamma + 1, H]
-        logits = self.e.target.logits(hidden)                                     # [n, gamma + 1, V]
-        num_acc, emitted = self._accept(drafts, draft_probs, logits, keys, positions)
+        if plan.draft_len is None or width == 0:
+            tokens = torch.cat([s.last_token[:n, None], drafts], dim=1)                # [n, gamma + 1]
+            positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)
+            hidden = self.e.target(tokens, Batch.make(positions), self.cache)         # [n, gamma + 1, H]
+            logits = self.e.target.logits(hidden)                                     # [n, gamma + 1, V]
+            computed = n * (width + 1)
+            num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions)
+        else:
+            hidden, logits, computed = verify_forward(self.e.target, self.cache, s.last_token[:n], drafts,
+                                                      plan.draft_len, lengths, self.e.verify_layout)
+            positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)
+            num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions, plan.draft_len, plan.one_hot)
         acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
         t2 = time.perf_counter()
         if s.drafter is not None:
-            s.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
-                                              hidden, emitted, num_acc + 1))
+            for source in s.drafter:
+                source.after_verify(n, lengths, hidden, emitted, num_acc)
         s.advance(n, num_acc, emitted)
-        for i in range(n):
-            row = s.rows[i]
-            row.out.num_drafted_tokens += gamma
-            row.out.num_accepted_tokens += acc_list[i]
-            if gamma:
-                row.drafted_steps += 1
-                row.first_hits += acc_list[i] > 0
-            row.emit(emitted_list[i][:acc_list[i] + 1], self.params, self.eos, self.e.tokenizer)
-        self.stats.observe_acceptance(gamma, acc_list)
+        if plan.draft_len is None or width == 0:
+            self._emit_uniform(n, width, acc_list, emitted_list)
+        else:
+            self._emit_ragged(n, plan, acc_list, emitted_list)
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
-        step = StepRecord(gamma, n, gamma + 1, ctx, t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
+        step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
+                          t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
         self.stats.observe_step(step)
-        self.e.costs.record(step, refine=self.refine)
+        if plan.match is None or not any(plan.match):   # n-gram rows make a step no gamma prices
+            self.e.costs.record(step, refine=self.refine)
+
+    def _emit_uniform(self, n: int, gamma: int, acc_list: list[int], emitted_list: list[list[int]]) -> None:
+        emit_uniform(self.slots.rows[:n], self.stats, gamma, acc_list, emitted_list, self._emit)
+
+    def _emit_ragged(self, n: int, plan: StepDrafts, acc_list: list[int], emitted_list: list[list[int]]) -> None:
+        emit_ragged(self.slots.rows[:n], self.stats, plan, acc_list, emitted_list, self._emit)
+
+    def _emit(self, row: Row, tokens: list[int]) -> None:
+        row.emit(tokens, self.params, self.eos, self.e.tokenizer)
 
     def _rows_apart(self, n: int) -> tuple:
         """For the cost-model policy: the rows it prices on their own (pipeline.spec_decode.policy):
         every row at a tail (queue empty, few rows left), else those within gamma_max tokens of
         their budget. Not every row of a small batch: a fresh row is a typical one, and a row
         priced down to gamma 0 after two misses would draft no more and never be priced up."""
-        if not self.refine or not self.gamma_cap:
+        if not self.refine or not self.mtp_cap:
             return ()
-        cap, few = self.gamma_cap, n <= FEW_ROWS and not self.queue
+        cap, few = self.mtp_cap, n <= FEW_ROWS and not self.queue
         apart = []
         for r in self.slots.rows[:n]:
             if r is None:
@@ -360,8 +419,10 @@ class _Run:
             return self.coupled.target(probs, keys, positions)
         return sample(probs, rng.uniforms(p.seed, keys, positions, rng.TARGET))
 
-    def _accept(self, drafts, draft_probs, logits, keys, positions):
-        """positions: [n, gamma + 1] of the verify inputs; token j lands at positions + 1."""
+    def _accept(self, drafts, draft_probs, logits, keys, positions, draft_len=None, one_hot=None):
+        """positions: [n, gamma + 1] of the verify inputs; token j lands at positions + 1.
+        draft_len: [n] drafts per row (padded slots are PAD and never match), else all gamma;
+        one_hot: [n] rows whose drafts are deterministic (q one-hot: ragged_accept)."""
         p = self.params
         if p.greedy:
             return greedy_accept(drafts, logits)
@@ -373,6 +434,8 @@ class _Run:
         if drafts.shape[1] == 0:
             return torch.zeros_like(keys), sample(probs, u_final)
         u_accept = rng.uniforms(p.seed, keys, out_pos[:, :-1], rng.ACCEPT)
+        if draft_len is not None:
+            return rejection_sample_ragged(drafts, draft_probs, probs, u_accept, u_final, draft_len, one_hot)
         return rejection_sample(drafts, draft_probs, probs, u_accept, u_final)
 
     def _sync(self) -> None:

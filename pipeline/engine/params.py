@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_GAMMA_MAX = 5                 # the largest gamma 'auto' may choose unless told otherwise
 VERIFY_RULES = ("coupled", "rejection")   # sampling.verify (DESIGN.md invariant 2)
+DRAFT_CHOICES = ("auto", "mtp", "ngram", "none")   # draft sources: per row the one that pays, or one, or none
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,13 @@ class Slots:
 
     def release_finished(self) -> None:
         done = [i for i in range(self.n) if self.rows[i] is not None and self.rows[i].finished]
+        finished = [self.rows[i] for i in done]
         for i in done:
             self.rows[i] = None
         if done and self.drafter is not None:
             self.drafter.drop_rows(torch.tensor(done, device=self.lengths.device))
+            if hasattr(self.drafter, "finish_rows"):
+                self.drafter.finish_rows(finished)
         self._trim()
 
     def compact(self) -> None:

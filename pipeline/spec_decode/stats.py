@@ -40,6 +40,10 @@ class SpecStats:
     prefills: list[PrefillRecord] = field(default_factory=list)
     row_steps: int = 0
     emitted_tokens: int = 0
+    drafted_by_source: dict[str, int] = field(default_factory=dict)     # draft tokens verified, per source
+    accepted_by_source: dict[str, int] = field(default_factory=dict)    # of those, accepted
+    source_reached: dict[str, list[int]] = field(default_factory=dict)  # per source (and match key), by depth
+    source_accepted: dict[str, list[int]] = field(default_factory=dict)
 
     def observe_acceptance(self, gamma: int, num_accepted) -> None:
         """num_accepted: accepted drafts per row in one verify step at `gamma` (ints, or a [n] tensor)."""
@@ -61,6 +65,26 @@ class SpecStats:
         self.row_steps += len(num_accepted)
         self.emitted_tokens += sum(num_accepted) + len(num_accepted)
 
+    def observe_ragged(self, draft_len: list[int], num_accepted: list[int], depth_rows=None) -> None:
+        """One verify step whose rows carry their own draft counts. The per-depth counters (the
+        MTP policy's evidence) count only `depth_rows` (indices; default all rows); every row
+        counts towards row steps and emitted tokens."""
+        rows = range(len(draft_len)) if depth_rows is None else depth_rows
+        add_ragged_counts(self.reached, self.accepted, [draft_len[i] for i in rows], [num_accepted[i] for i in rows])
+        self.row_steps += len(num_accepted)
+        self.emitted_tokens += sum(num_accepted) + len(num_accepted)
+
+    def observe_source(self, source: str, draft_len: list[int], num_accepted: list[int],
+                       key: str | None = None) -> None:
+        """Rows of one step drafted by `source` with their own draft counts. Depth counts go
+        under `key` (default: the source; e.g. "ngram:3" for a 3-token match)."""
+        self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + sum(draft_len)
+        self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + sum(num_accepted)
+        key = key or source
+        reached = self.source_reached.setdefault(key, [])
+        accepted = self.source_accepted.setdefault(key, [])
+        add_ragged_counts(reached, accepted, draft_len, num_accepted)
+
     def observe_step(self, record: StepRecord) -> None:
         self.steps.append(record)
 
@@ -69,6 +93,15 @@ class SpecStats:
 
     def acceptance_by_depth(self) -> list[float]:
         return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+    def acceptance_by_depth_all_sources(self) -> list[float]:
+        """a_k over every source's drafts (what the rows' drafted and accepted counts say); the
+        per-depth counters above are the MTP heads' alone (the gamma policy's evidence)."""
+        if not self.source_reached:
+            return self.acceptance_by_depth()
+        r = [sum(col) for col in _columns(list(self.source_reached.values()))]
+        a = [sum(col) for col in _columns(list(self.source_accepted.values()))]
+        return [x / y if y else float("nan") for x, y in zip(a + [0] * (len(r) - len(a)), r)]
 
     def mean_acceptance_length(self) -> float:
         return self.emitted_tokens / self.row_steps if self.row_steps else float("nan")
@@ -98,9 +131,50 @@ class SpecStats:
             accepted=[a + b for a, b in zip(pad(self.accepted), pad(other.accepted))],
             steps=self.steps + other.steps, prefills=self.prefills + other.prefills,
             row_steps=self.row_steps + other.row_steps,
-            emitted_tokens=self.emitted_tokens + other.emitted_tokens)
+            emitted_tokens=self.emitted_tokens + other.emitted_tokens,
+            drafted_by_source=_add_maps(self.drafted_by_source, other.drafted_by_source),
+            accepted_by_source=_add_maps(self.accepted_by_source, other.accepted_by_source),
+            source_reached=_add_list_maps(self.source_reached, other.source_reached),
+            source_accepted=_add_list_maps(self.source_accepted, other.source_accepted))
 
     def counts(self) -> "SpecStats":
         """The acceptance counters alone (no step records): a compact prior for later shards."""
         return SpecStats(list(self.reached), list(self.accepted), row_steps=self.row_steps,
-                         emitted_tokens=self.emitted_tokens)
+                         emitted_tokens=self.emitted_tokens, drafted_by_source=dict(self.drafted_by_source),
+                         accepted_by_source=dict(self.accepted_by_source),
+                         source_reached={k: list(v) for k, v in self.source_reached.items()},
+                         source_accepted={k: list(v) for k, v in self.source_accepted.items()})
+
+
+def add_ragged_counts(reached: list[int], accepted: list[int], draft_len: list[int], num_accepted: list[int]) -> None:
+    """Per-depth counts from rows with their own draft counts: draft k of a row is reached when
+    the row drafted >= k and accepted >= k-1, accepted when it accepted >= k.
+    Example: draft_len [3, 1], accepted [1, 1] add reached [2, 1, 0] and accepted [2, 0, 0]."""
+    for g, a in zip(draft_len, num_accepted):
+        if g > len(reached):
+            grow = g - len(reached)
+            reached += [0] * grow
+            accepted += [0] * grow
+        for k in range(min(a + 1, g)):
+            reached[k] += 1
+        for k in range(a):
+            accepted[k] += 1
+
+
+def _add_maps(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
+
+
+def _add_list_maps(a: dict, b: dict) -> dict:
+    out = {}
+    for k in {**a, **b}:
+        x, y = a.get(k, []), b.get(k, [])
+        n = max(len(x), len(y))
+        out[k] = [(x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n)]
+    return out
+
+
+def _columns(lists: list[list[int]]) -> list[list[int]]:
+    """Per-depth columns of count lists of any lengths. [[1, 2], [3]] -> [[1, 3], [2, 0]]."""
+    n = max((len(x) for x in lists), default=0)
+    return [[x[i] if i < len(x) else 0 for x in lists] for i in range(n)]

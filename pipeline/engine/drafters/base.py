@@ -1,0 +1,47 @@
+"""The drafter protocol: what the engine asks of a draft source, and what it gets back.
+
+A source proposes up to `max_len` drafts for each active row (`propose`), hears what the target
+kept (`after_prefill`, `after_verify`), is told when it sat a step out (`skip`), and follows the
+slots as rows move, reset or finish. The engine never asks which source it is; adding one is a
+file in this folder and a line in `pipeline.engine.drafters.make_sources`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass
+class DraftRequest:
+    n: int                        # active rows 0..n-1
+    lengths: torch.Tensor         # [n] target cache lengths
+    max_len: int                  # drafts per row at most
+    pick: Callable                # pick(logits [n, V], depth) -> (tokens [n], probs [n, V] or None)
+    rows: list                    # [n] the Row objects (host-side tokens of each row)
+
+
+@dataclass
+class Proposal:
+    drafts: torch.Tensor              # [n, G] int64, PAD (-1) beyond each row's draft_len
+    draft_len: torch.Tensor           # [n] drafts of each row (0..G)
+    probs: torch.Tensor | None        # [n, G, V] q of each draft; None: deterministic (one-hot q)
+    match: list[int] | None = None    # [n] per row: how the draft was found (n-gram: match length)
+
+
+class DraftSource(Protocol):
+    name: str                     # "mtp", "ngram": the stats' key
+    deterministic: bool           # proposals are one-hot in q (no probs)
+    needs_hidden: bool            # after_verify needs the target's hidden states
+
+    def propose(self, req: DraftRequest) -> Proposal: ...
+    def after_prefill(self, slots: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor,
+                      lens: torch.Tensor, first: torch.Tensor) -> None: ...
+    def after_verify(self, n: int, lengths: torch.Tensor, hidden: torch.Tensor, emitted: torch.Tensor,
+                     num_accepted: torch.Tensor) -> None: ...
+    def skip(self) -> None: ...
+    def reset_rows(self, rows: torch.Tensor) -> None: ...
+    def move_row(self, src: int, dst: int) -> None: ...
+    def drop_rows(self, rows: torch.Tensor) -> None: ...
+    def finish_rows(self, rows: list) -> None: ...

@@ -1,0 +1,102 @@
+"""N-gram (suffix) drafting: the tokens that followed the row's newest n-gram the last time it
+occurred, in the row's own prompt and output, else in the task's recent outputs (TaskIndex).
+Free of model cost; each proposal is deterministic (q one-hot), and its length comes from the
+match (what followed it, up to max_len). Host cost is a few dict operations per row per step:
+each row's index grows only by the tokens it emitted since it last drafted.
+"""
+from __future__ import annotations
+
+import torch
+
+from pipeline.engine.drafters.base import DraftRequest, Proposal
+from pipeline.engine.drafters.task_index import TaskIndex
+from pipeline.spec_decode.ragged_accept import PAD
+
+MAX_ORDER = 3            # longest suffix matched in a row's own tokens
+
+
+class RowIndex:
+    """n-gram -> newest end position in one row's prompt + output (ends before the last token)."""
+    __slots__ = ("seq", "ends", "done")
+
+    def __init__(self, prompt: list[int]):
+        self.seq = list(prompt)
+        self.ends: dict[tuple, int] = {}
+        self.done = 0              # ends 1..done are indexed
+
+    def extend(self, tokens: list[int], prompt_len: int) -> None:
+        seq = self.seq
+        if len(seq) < prompt_len + len(tokens):
+            seq.extend(tokens[len(seq) - prompt_len:])
+        ends, last = self.ends, len(seq) - 1
+        for e in range(self.done + 1, last + 1):
+            for m in range(1, min(MAX_ORDER, e) + 1):
+                ends[tuple(seq[e - m:e])] = e
+        self.done = max(self.done, last)
+
+    def match(self, task: TaskIndex | None, k: int) -> tuple[list[int], int]:
+        """(draft tokens, match length): own 3-gram, task 3-gram, own 2-gram, task 2-gram, own 1-gram."""
+        seq, n = self.seq, len(self.seq)
+        for m in range(min(MAX_ORDER, n), 0, -1):
+            key = tuple(seq[n - m:])
+            e = self.ends.get(key)
+            if e is not None:
+                return seq[e:e + k], m
+            if task is not None and m in task.orders:
+                got = task.lookup(key, k)
+                if got:
+                    return got, m
+        return [], 0
+
+
+class NgramSource:
+    name = "ngram"
+    deterministic = True
+    needs_hidden = False
+
+    def __init__(self, task_index: TaskIndex | None, device):
+        self.task, self.device = task_index, device
+        self.rows: dict[int, RowIndex] = {}          # Row.index -> its index
+
+    def propose(self, req: DraftRequest) -> Proposal:
+        k = req.max_len
+        drafts = [[PAD] * k for _ in range(req.n)]
+        lens, match = [0] * req.n, [0] * req.n
+        for i, row in enumerate(req.rows):
+            if row is None:
+                continue
+            idx = self.rows.get(row.index)
+            if idx is None:
+                idx = self.rows[row.index] = RowIndex(row.prompt_ids)
+            idx.extend(row.tokens, len(row.prompt_ids))
+            got, m = idx.match(self.task, k)
+            if got:
+                drafts[i][:len(got)] = got
+                lens[i], match[i] = len(got), m
+        return Proposal(torch.tensor(drafts, dtype=torch.long, device=self.device).view(req.n, k),
+                        torch.tensor(lens, dtype=torch.long, device=self.device), None, match)
+
+    def after_prefill(self, slots, hidden, ids, lens, first) -> None:
+        pass
+
+    def after_verify(self, n, lengths, hidden, emitted, num_accepted) -> None:
+        pass
+
+    def skip(self) -> None:
+        pass
+
+    def reset_rows(self, rows) -> None:
+        pass
+
+    def move_row(self, src: int, dst: int) -> None:
+        pass                      # indexed by the row, not the slot
+
+    def drop_rows(self, rows) -> None:
+        pass
+
+    def finish_rows(self, rows) -> None:
+        """Finished rows: their outputs join the task's index; their own indexes go."""
+        for row in rows:
+            self.rows.pop(row.index, None)
+            if self.task is not None:
+                self.task.add(row.tokens)

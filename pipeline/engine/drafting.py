@@ -1,0 +1,167 @@
+"""One step's drafts over every source: which source each row takes and how many drafts.
+
+The MTP gamma comes from the gamma policy as before (it prices the heads' cost); the n-gram
+source proposes for every row at no model cost; each row then takes the source with more
+expected accepted tokens, and under `auto` the step keeps the drafts that pay for their verify
+cost (pipeline.spec_decode.row_drafts); where none pays (a compute-bound batch) the lookup
+pauses for a growing number of steps, so its host time goes too. With a fixed gamma every row
+drafts what its source has, up to gamma. The result is one padded draft tensor with a count per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.engine.drafters import DraftRequest
+from pipeline.spec_decode.policy import estimate_acceptance
+from pipeline.spec_decode.ragged_accept import PAD, pad_mask
+from pipeline.engine.verify import PACK_SHARE, choose_layout
+from pipeline.spec_decode.row_drafts import acceptance_table, draft_lengths, keep_probs, padded_lengths
+from pipeline.spec_decode.stats import SpecStats, _add_list_maps
+
+MIN_GAIN = 0.05       # per-row drafts must predict this much over plain decoding (as GoodputPolicy.min_gain)
+MAX_WAIT = 16         # where no n-gram draft pays, the lookup pauses 1, 3, 7, 15 steps (at most this - 1)
+TABLE_STEPS = 16      # steps between re-estimates of the n-gram acceptance table
+GATHER_COST = 2.0     # a packed verify token costs about this many padded ones (cache gathers; measured on CPU)
+
+
+@dataclass
+class StepDrafts:
+    drafts: torch.Tensor              # [n, G] PAD beyond draft_len
+    draft_len: torch.Tensor | None    # [n]; None: every row drafts mtp_gamma (or none)
+    probs: torch.Tensor | None        # [n, G, V] q of MTP rows (None: greedy, or no MTP row)
+    one_hot: torch.Tensor | None      # [n] bool rows with deterministic (n-gram) drafts
+    mtp_gamma: int                    # the heads drafted this many for every row (0: not run)
+    use_mtp: torch.Tensor | None      # [n] bool rows taking the MTP drafts
+    match: list[int] | None           # [n] n-gram match length (0: not an n-gram row)
+
+
+def empty_drafts(n: int, device) -> StepDrafts:
+    return StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=device), None, None, None, 0, None, None)
+
+
+def per_step_costs(model, rows: int, ctx: float, width: int = 1):
+    """(base_s, first_s, token_s) of a verify with drafts from the cost model: a plain step,
+    the fixed extra of a multi-token verify, and the mean cost of one more verified token over
+    `width` more tokens per row (the secant: verify cost bends where the batch turns compute-bound)."""
+    base = model.step_s(rows, 0, ctx)
+    wide, one = model.verify_s(rows, width + 1, ctx), model.verify_s(rows, 1, ctx)
+    return base, model.multi_token_s, max(wide - one - model.multi_token_s, 0.0) / (rows * width)
+
+
+class DraftPlanner:
+    def __init__(self, sources, auto: bool, ngram_cap: int, evidence: SpecStats, cost_model, params,
+                 layout: str = "auto"):
+        """`evidence`: earlier n-gram acceptance of this task (the engine's); `cost_model`: a
+        callable returning the engine's CostModel or None."""
+        self.sources, self.auto, self.ngram_cap = sources, auto, ngram_cap
+        self.evidence, self.cost_model, self.params = evidence, cost_model, params
+        self.layout = layout              # the verify layout (pipeline.engine.verify): what to price
+        self._table, self._asked = None, 0
+        self._idle, self._wait = 0, 0     # steps in a row whose proposals did not pay; steps left to skip
+
+    def plan(self, n: int, lengths, rows, mtp_gamma: int, pick, stats: SpecStats, mtp_prior: SpecStats | None,
+             ctx: float, measuring: bool) -> StepDrafts:
+        """`measuring`: the gamma policy calibrates the heads or measures plain decoding this
+        step, so no n-gram drafts (they would take rows from the heads' evidence or the price)."""
+        dev = lengths.device
+        mtp, ngram = self.sources.get("mtp"), self.sources.get("ngram")
+        ng = None
+        if self._wait > 0:
+            self._wait -= 1
+        elif ngram is not None and self.ngram_cap > 0 and not measuring:
+            ng = ngram.propose(DraftRequest(n, lengths, self.ngram_cap, pick, rows))
+            if not bool((ng.draft_len > 0).any()):
+                ng = None
+        if ng is None:
+            return self._mtp_only(n, lengths, rows, mtp_gamma, pick)
+        match = torch.tensor(ng.match, dtype=torch.long)
+        p_ng = keep_probs(self._ngram_table(stats, ng.drafts.shape[1])[match], ng.draft_len.cpu())   # [n, Gn]
+        use_mtp = torch.zeros(n, dtype=torch.bool)
+        if mtp is not None and mtp_gamma > 0:     # the policy found the heads pay: rows they beat take them
+            reached = _sum(stats.reached, mtp_prior.reached if mtp_prior else [])
+            accepted = _sum(stats.accepted, mtp_prior.accepted if mtp_prior else [])
+            a = torch.tensor(estimate_acceptance(reached, accepted, mtp_gamma), dtype=torch.float64)
+            use_mtp = p_ng.sum(1) < float(a.cumprod(0).sum())
+        p_ng[use_mtp] = 0
+        ng_lens = self._lengths(p_ng, n, ctx) if self.auto else ng.draft_len.cpu()
+        lens = torch.where(use_mtp, mtp_gamma, ng_lens)
+        if int(lens.sum()) == 0:          # no n-gram draft pays: look again after a growing pause
+            self._idle += 1
+            self._wait = min(2 ** self._idle, MAX_WAIT) - 1
+            return self._mtp_only(n, lengths, rows, mtp_gamma, pick)
+        self._idle = 0
+        width = int(lens.max())
+        drafts = torch.full((n, width), PAD, dtype=torch.long, device=dev)
+        drafts[:, :min(width, ng.drafts.shape[1])] = ng.drafts[:, :width]
+        probs, ran = None, 0
+        if bool(use_mtp.any()):
+            prop = mtp.propose(DraftRequest(n, lengths, mtp_gamma, pick, rows))
+            ran = mtp_gamma
+            um = use_mtp.to(dev)
+            drafts[um, :mtp_gamma] = prop.drafts[um]
+            drafts[um, mtp_gamma:] = PAD
+            if prop.probs is not None:
+                probs = prop.probs.new_zeros(n, width, prop.probs.shape[-1])
+                probs[:, :mtp_gamma] = prop.probs
+        elif mtp is not None:
+            mtp.skip()
+        lens = lens.to(dev)
+        drafts = torch.where(pad_mask(lens, width), drafts, PAD)
+        one_hot = ~use_mtp.to(dev)
+        match_list = [m if not u and l else 0 for m, u, l in zip(ng.match, use_mtp.tolist(), lens.tolist())]
+        return StepDrafts(drafts, lens, probs, one_hot, ran, use_mtp.to(dev), match_list)
+
+    def _mtp_only(self, n: int, lengths, rows, mtp_gamma: int, pick) -> StepDrafts:
+        """Every row drafts mtp_gamma with the heads (or nobody drafts): the step as before n-grams."""
+        mtp = self.sources.get("mtp")
+        if mtp is None or mtp_gamma == 0:
+            if mtp is not None:
+                mtp.skip()
+            return empty_drafts(n, lengths.device)
+        prop = mtp.propose(DraftRequest(n, lengths, mtp_gamma, pick, rows))
+        return StepDrafts(prop.drafts, None, prop.probs, None, mtp_gamma, None, None)
+
+    def _ngram_table(self, stats: SpecStats, depth: int) -> torch.Tensor:
+        """Per-depth acceptance by match length, re-estimated every TABLE_STEPS steps (it moves
+        slowly, and rebuilding it is a good part of a small batch's drafting time)."""
+        self._asked += 1
+        if self._table is None or self._table.shape[1] < depth or self._asked % TABLE_STEPS == 0:
+            ev = self.evidence or SpecStats()
+            self._table = acceptance_table(_add_list_maps(ev.source_reached, stats.source_reached),
+                                           _add_list_maps(ev.source_accepted, stats.source_accepted), "ngram",
+                                           max(depth, self.ngram_cap))
+        return self._table[:, :depth]
+
+    def _lengths(self, p: torch.Tensor, n: int, ctx: float) -> torch.Tensor:
+        model = self.cost_model()
+        if model is None:
+            return (p > 0).sum(1)
+        base, first, token = per_step_costs(model, n, ctx, p.shape[1])
+        if self.layout == "padded":
+            return padded_lengths(p, base, token, first, MIN_GAIN)
+        if self.layout == "packed":
+            return draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
+        padded = padded_lengths(p, base, token, first, MIN_GAIN)
+        if int((p[:, 0] > 0).sum()) * p.shape[1] + n > PACK_SHARE * n * (p.shape[1] + 1):
+            return padded                  # too many rows have drafts for a packed verify
+        ragged = draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
+        width = int(ragged.max())          # auto: ragged where the verify will be packed and it predicts more
+        if width and choose_layout(ragged, width, "auto") == "packed":
+            gp_r = (n + float(_kept(p, ragged))) / (base + first + float(ragged.sum()) * token * GATHER_COST)
+            wp = int(padded.max())
+            gp_p = (n + float(_kept(p, padded))) / (base + (first + n * wp * token if wp else 0.0))
+            if gp_r > gp_p:
+                return ragged
+        return padded
+
+
+def _kept(p: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Expected accepted drafts when row i keeps its first lens[i]."""
+    return (p * (torch.arange(p.shape[1]) < lens[:, None])).sum()
+
+
+def _sum(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]

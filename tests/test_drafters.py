@@ -1,0 +1,155 @@
+"""Draft sources behind the drafter protocol: greedy identity for every source and for rows
+with different draft counts in one step, a checkpoint without heads, and the bounded task index."""
+import pytest
+import torch
+
+import pipeline.engine.engine as engine_module
+from pipeline.engine import Engine, SamplingParams
+from pipeline.engine.drafters import TaskIndex, resolve_draft
+from pipeline.engine.drafters.ngram import RowIndex
+from tests.tiny_models import hf_greedy, random_prompts, tiny_checkpoint
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+def repetitive_prompts(seed: int) -> list[list[int]]:
+    """Prompts that repeat a few segments, so suffix matches are found (and sometimes wrong)."""
+    base = random_prompts([6, 4, 8, 5, 7, 3], 128, seed=seed)
+    return [p + base[(i + 1) % len(base)] + p + p[:2] for i, p in enumerate(base)]
+
+
+def record_draft_lens(monkeypatch) -> list[list[int]]:
+    seen = []
+    real = engine_module.verify_forward
+
+    def recording(target, cache, last, drafts, draft_len, lengths, layout="auto"):
+        seen.append(draft_len.tolist())
+        return real(target, cache, last, drafts, draft_len, lengths, layout)
+
+    monkeypatch.setattr(engine_module, "verify_forward", recording)
+    return seen
+
+
+@pytest.mark.parametrize("draft,gamma", [("ngram", 3), ("ngram", "auto"), ("mtp", "auto"), ("auto", "auto"),
+                                         ("none", "auto")])
+def test_greedy_matches_transformers_for_every_source(root, monkeypatch, draft, gamma):
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    prompts = repetitive_prompts(seed=1)
+    refs = hf_greedy(path, prompts, MAX_NEW)
+    seen = record_draft_lens(monkeypatch)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma, draft=draft, task="t")
+    assert [o.token_ids for o in outs] == refs
+    by_source = engine.last_stats.drafted_by_source
+    if draft == "none":
+        assert sum(o.num_drafted_tokens for o in outs) == 0 and not by_source
+    if draft == "ngram":
+        assert by_source.get("ngram", 0) > 0 and "mtp" not in by_source
+        assert any(len(set(lens)) > 1 for lens in seen), "rows of one step must carry different draft counts"
+        assert 0 < engine.last_stats.accepted_by_source["ngram"] < by_source["ngram"]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_mixed_draft_lengths_in_one_step_are_greedy_identical(root, monkeypatch, layout):
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    prompts = repetitive_prompts(seed=4)
+    refs = hf_greedy(path, prompts, MAX_NEW)
+    seen = record_draft_lens(monkeypatch)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=6)
+    engine.verify_layout = layout
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=4, draft="ngram")
+    assert [o.token_ids for o in outs] == refs
+    mixed = [lens for lens in seen if 0 in lens and max(lens) > 1]
+    assert mixed, "some step must verify rows with 0 drafts next to rows with several"
+
+
+def test_checkpoint_without_heads_speculates_with_ngram(root):
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=0, draftable=0.1, with_tokenizer=False)
+    prompts = repetitive_prompts(seed=2)
+    refs = hf_greedy(path, prompts, MAX_NEW)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
+    assert engine.num_mtp_heads == 0
+    for gamma, draft in (("auto", "ngram"), (3, "auto"), (2, "ngram")):
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma, draft=draft)
+        assert [o.token_ids for o in outs] == refs, (gamma, draft)
+        assert engine.last_stats.drafted_by_source.get("ngram", 0) > 0
+    with pytest.raises(ValueError, match="MTP heads"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=4), gamma=2, draft="mtp")
+
+
+def test_resolve_draft():
+    assert resolve_draft("auto", False) == ("ngram",) and resolve_draft("auto", True) == ("mtp", "ngram")
+    assert resolve_draft("none", True) == ()
+    with pytest.raises(ValueError):
+        resolve_draft("medusa", True)
+
+
+def test_row_index_matches_its_own_tokens_then_the_task():
+    idx = RowIndex([5, 6, 7, 8, 5, 6])
+    idx.extend([], 6)
+    assert idx.match(None, 3) == ([7, 8, 5], 2)          # "5 6" occurred before, followed by 7 8 5
+    task = TaskIndex(100)
+    task.add([1, 2, 9, 9, 4])
+    other = RowIndex([3, 1, 2])
+    other.extend([], 3)
+    assert other.match(task, 2) == ([9, 9], 2)           # not in the row: the task's outputs
+    assert RowIndex([3, 4]).match(None, 2) == ([], 0)
+
+
+def test_task_index_stays_within_its_bound_over_a_long_run():
+    index = TaskIndex(max_tokens=500)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(2000):
+        seq = torch.randint(0, 50, (int(torch.randint(5, 80, (1,), generator=gen)),), generator=gen).tolist()
+        index.add(seq)
+        assert index.held <= 500
+        assert len(index.keys) <= len(index.orders) * index.held
+        assert len(index.seqs) == len(index._by_id)
+    last = seq
+    assert index.lookup(tuple(last[:3]), 2) == last[3:5] or len(last) < 5
+    assert all(sid in index._by_id for sid, _ in index.keys.values())
+
+
+def test_task_index_is_kept_per_task_across_calls(root):
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=0, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2)
+    prompts = random_prompts([5, 6], 128, seed=7)
+    engine.generate(prompts, SamplingParams(max_new_tokens=8), gamma="auto", draft="ngram", task="a")
+    held = engine.task_indexes["a"].held
+    assert held > 0 and "b" not in engine.task_indexes
+    engine.generate(prompts, SamplingParams(max_new_tokens=8), gamma="auto", draft="ngram", task="a")
+    assert engine.task_indexes["a"].held > held
+    assert engine.ngram_evidence["a"].source_reached
+
+
+def test_a_plain_llama_shard_with_spec_draft_ngram_is_greedy_identical(tmp_path):
+    """The `+job=generate spec.draft=ngram` path without Ray: process_shard on a plain
+    transformers-made Llama (no heads) gives transformers' greedy text, and the stats row counts
+    the n-gram drafts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.cluster.worker import ShardTask, process_shard
+    from pipeline.config import DataConfig
+    from pipeline.data import open_source, plan_shards
+
+    path = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=0, draftable=0.1)
+    texts = [f"the quick brown fox {i} jumps over the quick brown fox" for i in range(6)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet")
+    source = open_source(str(tmp_path / "d.parquet"))
+    data = DataConfig(path=str(tmp_path / "d.parquet"), prompt_column="text")
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    task = ShardTask(plan_shards(source, 6)[0], 1, source.files, source.file_rows, data, (),
+                     SamplingParams(max_new_tokens=MAX_NEW), "auto", draft="ngram")
+    result = process_shard(engine, task, {"device": "cpu"}, {})
+    ids = [engine.tokenizer(t)["input_ids"] for t in texts]
+    refs = [engine.tokenizer.decode(r, skip_special_tokens=True) for r in hf_greedy(path, ids, MAX_NEW)]
+    assert result.table.column("generated_text").to_pylist() == refs
+    row = result.stats_rows[0]
+    assert row["drafted_by_source"].get("ngram", 0) > 0 and "mtp" not in row["drafted_by_source"]
+    assert sum(result.table.column("num_drafted_tokens").to_pylist()) == row["drafted_by_source"]["ngram"]
