@@ -132,3 +132,22 @@ def test_retried_shard_on_a_fresh_actor_gives_the_same_text(tmp_path):
     other = run(Engine.from_pretrained(ckpt, device="cpu", max_batch_size=8), 24, 2, 1,
                 dataclasses.replace(sampling, seed=8))
     assert sum(other[k] != first[k] for k in first) > 12
+
+
+def test_coupled_text_is_the_same_for_every_draft_source(path):
+    """The n-gram source proposes from the row's own tokens and the task's earlier outputs; under
+    the coupled rule its drafts are kept exactly when they equal the target's noisy sample, so
+    the text is the same whichever source drafts (or none), also with the task index warm."""
+    motif = random_prompts([6], 128, seed=9)[0]
+    prompts = [motif * 4 + p for p in random_prompts(LENGTHS, 128, seed=2)]     # repeats to match
+    params = _params(temperature=0.7, top_k=8)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=8)
+    ref = [o.token_ids for o in engine.generate(prompts, params, gamma=0, draft="none")]
+    for draft, gamma in (("ngram", 3), ("ngram", "auto"), ("mtp", 3), ("auto", "auto"), ("ngram", 5)):
+        engine.reset_stats()
+        out = [o.token_ids for o in engine.generate(prompts, params, gamma=gamma, draft=draft, task="t")]
+        assert out == ref, (draft, gamma)
+        if draft == "ngram" and gamma == 3:
+            drafted = engine.stats.drafted_by_source.get("ngram", 0)
+            accepted = engine.stats.accepted_by_source.get("ngram", 0)
+            assert 0 < accepted < drafted, (accepted, drafted)     # n-gram drafts kept and rejected

@@ -43,11 +43,17 @@ def setup(tmp_path_factory):
                            num_mtp_layers=1, hidden_size=32, initializer_range=0.15, with_tokenizer=False)
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2048)
     runs = {}
-    for verify, gamma in (("coupled", 0), ("coupled", 3), ("rejection", 3)):
+    for verify, gamma, draft in (("coupled", 0, "none"), ("coupled", 3, "mtp"), ("rejection", 3, "mtp"),
+                                 ("coupled", 3, "ngram"), ("rejection", 3, "ngram")):
         params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_k=TOP_K, seed=11,
                                 ignore_eos=True, verify=verify)
-        tokens = torch.tensor([o.token_ids for o in engine.generate([PROMPT] * N, params, gamma=gamma)])
-        runs[verify, gamma] = (tokens, _counts(tokens))                # [N, NEW], [V] * NEW
+        before = dict(engine.stats.drafted_by_source)
+        outs = engine.generate([PROMPT] * N, params, gamma=gamma, draft=draft)
+        tokens = torch.tensor([o.token_ids for o in outs])
+        key = (verify, gamma) if draft != "ngram" else (verify, "ngram")
+        runs[key] = (tokens, _counts(tokens))                          # [N, NEW], [V] * NEW
+        if draft == "ngram":     # one-hot drafts from the rows' own tokens and the task's outputs
+            assert engine.stats.drafted_by_source.get("ngram", 0) > before.get("ngram", 0)
     return path, engine, runs
 
 
@@ -69,7 +75,7 @@ def test_speculative_sampling_matches_exact_target_distribution(setup):
 
 def test_gamma_three_against_gamma_zero(setup):
     _, engine, runs = setup
-    for run in (("coupled", 3), ("rejection", 3)):
+    for run in (("coupled", 3), ("rejection", 3), ("rejection", "ngram")):
         for j in range(NEW):
             dims = tuple(d for d in range(NEW) if d != j)
             assert two_sample_pvalue(runs[run][1].sum(dims), runs["coupled", 0][1].sum(dims)) > 1e-4, (run, j)
@@ -79,6 +85,7 @@ def test_coupled_rows_equal_plain_sampling_with_their_noise(setup):
     """Coupled at gamma 3 emits, row for row, what gamma 0 emits: the same 30,000 samples."""
     _, _, runs = setup
     assert torch.equal(runs["coupled", 3][0], runs["coupled", 0][0])
+    assert torch.equal(runs["coupled", "ngram"][0], runs["coupled", 0][0])
     assert not torch.equal(runs["rejection", 3][0], runs["coupled", 0][0])
 
 
