@@ -2,7 +2,7 @@
 import torch
 
 from pipeline.spec_decode.acceptance import greedy_accept
-from pipeline.spec_decode.ragged_accept import PAD, rejection_sample_ragged
+from pipeline.spec_decode.acceptance import PAD, rejection_sample_ragged
 from pipeline.spec_decode.row_drafts import draft_lengths, keep_probs
 from pipeline.spec_decode.stats import SpecStats, add_ragged_counts
 from tests.stats_util import chi_square_pvalue

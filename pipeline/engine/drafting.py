@@ -15,7 +15,7 @@ import torch
 
 from pipeline.engine.drafters import DraftRequest
 from pipeline.spec_decode.policy import estimate_acceptance
-from pipeline.spec_decode.ragged_accept import PAD, pad_mask
+from pipeline.spec_decode.acceptance import PAD, pad_mask
 from pipeline.engine.verify import PACK_SHARE, choose_layout
 from pipeline.spec_decode.row_drafts import acceptance_table, draft_lengths, keep_probs, padded_lengths
 from pipeline.spec_decode.stats import SpecStats, _add_list_maps

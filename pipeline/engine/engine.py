@@ -27,8 +27,7 @@ from pipeline.engine.slots import Slots
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec_decode import rng
-from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample
-from pipeline.spec_decode.ragged_accept import rejection_sample_ragged
+from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample, rejection_sample_ragged
 from pipeline.spec_decode.cost import CostModel
 from pipeline.spec_decode.policy import FEW_ROWS, FixedGamma, GammaPolicy, GoodputPolicy, StepContext, make_policy
 from pipeline.spec_decode.sampling import filtered_probs, sample
@@ -422,7 +421,7 @@ class _Run:
     def _accept(self, drafts, draft_probs, logits, keys, positions, draft_len=None, one_hot=None):
         """positions: [n, gamma + 1] of the verify inputs; token j lands at positions + 1.
         draft_len: [n] drafts per row (padded slots are PAD and never match), else all gamma;
-        one_hot: [n] rows whose drafts are deterministic (q one-hot: ragged_accept)."""
+        one_hot: [n] rows whose drafts are deterministic (q one-hot: acceptance.rejection_sample_ragged)."""
         p = self.params
         if p.greedy:
             return greedy_accept(drafts, logits)

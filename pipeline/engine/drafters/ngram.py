@@ -10,7 +10,7 @@ import torch
 
 from pipeline.engine.drafters.base import DraftRequest, Proposal
 from pipeline.engine.drafters.task_index import TaskIndex
-from pipeline.spec_decode.ragged_accept import PAD
+from pipeline.spec_decode.acceptance import PAD
 
 MAX_ORDER = 3            # longest suffix matched in a row's own tokens
 
