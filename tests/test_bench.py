@@ -128,3 +128,20 @@ def test_run_order_alternates_and_paired_ratios_are_per_repetition():
     r = paired([2.0, 3.0, 8.0], [1.0, 2.0, 4.0])
     assert r == {"median": 2.0, "min": 1.5, "max": 2.0}
     assert show_paired(r) == "2.00 (1.50-2.00)"
+
+
+def test_cold_start_script_times_a_fresh_engine_against_fixed_gammas(tmp_path):
+    """benchmarks/cold_start.py at toy sizes: a fresh engine per rep (no cached profile with
+    --no-cache), its first auto call reported with its calibration steps, then each system's row."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "cold_start.py"), "--prompts", "2",
+                           "--reps", "1", "--max-new-tokens", "4", "--gammas", "0,1", "--no-cache"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rep 0: fresh auto" in proc.stdout and "profiles 0" in proc.stdout     # no profile: explored
+    for row in ("| auto (fresh engine, first call) |", "| auto (warm engine) |", "| gamma=0 |", "| gamma=1 |"):
+        assert row in proc.stdout, proc.stdout
