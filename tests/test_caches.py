@@ -3,7 +3,7 @@ MTP heads' caches hold exactly the entries a full-sequence forward computes."""
 import torch
 
 from pipeline.engine import Engine, SamplingParams
-from pipeline.engine.engine import _Run
+from pipeline.engine.run import GenerateRun
 from pipeline.engine.rows import Row
 from pipeline.engine.params import RequestOutput
 from pipeline.engine.slots import Slots
@@ -86,7 +86,7 @@ def test_mtp_caches_hold_prompt_and_accepted_tokens(tmp_path):
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
     prompts = random_prompts([5, 9, 3], 128, seed=8)
     rows = [Row(i, p, 40, RequestOutput()) for i, p in enumerate(prompts)]
-    run = _Run(engine, rows, SamplingParams(max_new_tokens=40, ignore_eos=True), FixedGamma(3))
+    run = GenerateRun(engine, rows, SamplingParams(max_new_tokens=40, ignore_eos=True), FixedGamma(3))
     for _ in range(4):
         run._admit()
         run._step()
@@ -123,7 +123,7 @@ def test_plain_steps_leave_a_gap_the_heads_do_not_bridge(tmp_path):
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
     prompts = random_prompts([5, 9, 3], 128, seed=8)
     rows = [Row(i, p, 40, RequestOutput()) for i, p in enumerate(prompts)]
-    run = _Run(engine, rows, SamplingParams(max_new_tokens=40, ignore_eos=True), FixedGamma(3))
+    run = GenerateRun(engine, rows, SamplingParams(max_new_tokens=40, ignore_eos=True), FixedGamma(3))
     for gamma in (3, 3, 0, 0, 0):
         run.policy = FixedGamma(gamma)
         run._admit()

@@ -3,7 +3,7 @@ with different draft counts in one step, a checkpoint without heads, and the bou
 import pytest
 import torch
 
-import pipeline.engine.engine as engine_module
+import pipeline.engine.run as engine_module
 from pipeline.engine import Engine, SamplingParams
 from pipeline.engine.drafters import TaskIndex, resolve_draft
 from pipeline.engine.drafters.ngram import RowIndex

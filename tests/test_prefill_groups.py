@@ -4,7 +4,7 @@ import random
 import pytest
 
 from pipeline.engine import Engine, SamplingParams
-from pipeline.engine.engine import PAD_SLACK, prefill_groups
+from pipeline.engine.run import PAD_SLACK, prefill_groups
 from tests.tiny_models import hf_greedy, random_prompts, tiny_checkpoint
 
 

@@ -120,7 +120,7 @@ def task_indexes(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
     as earlier shards of the task leave it on an actor (each timed call starts from a copy, so no
     call sees its own or an earlier repetition's outputs)."""
     from pipeline.engine.drafters import TaskIndex
-    from pipeline.engine.engine import TASK_INDEX_TOKENS
+    from pipeline.engine.run import TASK_INDEX_TOKENS
 
     if not (spec.drafts or spec.layouts) or spec.data_path is None:
         return {}

@@ -1,0 +1,269 @@
+"""One `Engine.generate` call: the batched speculative decoding loop with continuous batching.
+
+One iteration (`_step`): admit queued rows into free slots (batched prefills of prompts of
+similar length, `prefill_groups`), choose gamma, draft (each row from its own source, with its
+own number of drafts: pipeline.engine.drafting), verify last token + drafts in one target
+forward for every active row, accept per row, emit. Each row advances by its own acceptance
+length; rejected drafts are rolled back by not advancing its length.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeline.engine.coupled import CoupledSampler
+from pipeline.engine.drafter import Drafter
+from pipeline.engine.drafters import MTPSource, NgramSource, Sources, TaskIndex
+from pipeline.engine.drafting import DraftPlanner, StepDrafts
+from pipeline.engine.emit import emit_ragged, emit_uniform
+from pipeline.engine.verify import verify_forward
+from pipeline.engine.params import SamplingParams
+from pipeline.engine.warm_start import ensure_profile
+from pipeline.engine.rows import Row
+from pipeline.engine.slots import Slots
+from pipeline.model.cache import Batch
+from pipeline.spec_decode import rng
+from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample, rejection_sample_ragged
+from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext
+from pipeline.spec_decode.sampling import filtered_probs, sample
+from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
+
+if TYPE_CHECKING:
+    from pipeline.engine.engine import Engine
+
+TASK_INDEX_TOKENS = 32768   # output tokens an engine keeps per task for n-gram drafting
+PAD_SLACK = 1.25        # a prefill forward computes at most this many (padded) tokens per prompt token
+
+
+def prefill_groups(lengths: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """Indices of prompts to admit, grouped by length, one prefill forward per group: padding a
+    batch to its longest prompt computes tokens that are thrown away (most of them, where prompt
+    lengths vary tenfold). Ascending, a group grows
+    while rows x its longest prompt stays within `slack` x its real tokens.
+    Example: [5, 100, 6, 90] -> [[0, 2], [3, 1]]."""
+    groups, group, real = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if group and (len(group) + 1) * lengths[i] > slack * (real + lengths[i]):
+            groups.append(group)
+            group, real = [], 0
+        group.append(i)
+        real += lengths[i]
+    return groups + [group] if group else groups
+
+
+class GenerateRun:
+    """State of one generate() call: slots, caches, queue, draft sources."""
+
+    def __init__(self, engine: Engine, rows: list[Row], params: SamplingParams, policy: GammaPolicy,
+                 sources: tuple = ("mtp",), gamma=None, task: str | None = None):
+        """`sources`: the draft sources (resolve_draft); `gamma`: the caller's gamma (default: the
+        policy); defaults draft with the heads under `policy` alone."""
+        self.e, self.params, self.policy = engine, params, policy
+        gamma = policy if gamma is None else gamma
+        cfg = engine.config
+        self.auto = gamma == "auto" or isinstance(gamma, GoodputPolicy)
+        self.mtp_cap = min(engine.gamma_max, policy.max_gamma()) if engine.heads and "mtp" in sources else 0
+        ngram_cap = 0
+        if "ngram" in sources:
+            ngram_cap = engine.gamma_max if gamma == "auto" else gamma.max_gamma() if hasattr(gamma, "choose") else int(gamma)
+        self.gamma_cap = max(self.mtp_cap, ngram_cap)
+        batch = min(engine.max_batch_size, len(rows))
+        capacity = max(len(r.prompt_ids) + r.max_new for r in rows) + self.gamma_cap + 2
+        self.cache = engine.kv_cache("target", cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.drafter = None
+        found = {}
+        if self.mtp_cap > 0:
+            attn = engine.heads[0].self_attn
+            heads_cache = engine.kv_cache("heads", len(engine.heads), batch, capacity, attn.num_kv_heads, attn.head_dim)
+            self.drafter = Drafter(engine.heads, batch, capacity, cfg.hidden_size, engine.dtype, engine.device,
+                                   cache=heads_cache)
+            self.drafter.full_vocab_picks = params.coupled
+            found["mtp"] = MTPSource(self.drafter)
+        if ngram_cap > 0:
+            index = engine.task_indexes.setdefault(task, TaskIndex(TASK_INDEX_TOKENS))
+            found["ngram"] = NgramSource(index, engine.device)
+            if self.auto:
+                ensure_profile(engine, rows=batch, explore=self.mtp_cap > 0)   # per-row choice prices drafts by the cost model
+        self.sources = Sources(found) if found else None
+        self.planner = None
+        if found:
+            evidence = engine.ngram_evidence.get(task)
+            self.planner = DraftPlanner(self.sources, self.auto, ngram_cap, evidence, engine.cost_model, params,
+                                        engine.verify_layout)
+        self.task = task
+        self.slots = Slots(batch, engine.device, self.sources, self.cache)
+        self.queue = deque(rows)
+        self.eos = frozenset(cfg.eos_token_ids)
+        self.stats = engine.last_stats
+        self.refine = isinstance(policy, GoodputPolicy)     # its steps count towards cost-model refits
+        self.coupled = (CoupledSampler(params.seed, filtered=params.top_k > 0 or params.top_p < 1)
+                        if params.coupled else None)
+
+    def run(self) -> None:
+        while self.queue or self.slots.n:
+            self._admit()
+            self._step()
+        if self.sources is not None and self.sources.get("ngram") is not None:
+            st = self.stats
+            ev = self.e.ngram_evidence.get(self.task) or SpecStats()
+            self.e.ngram_evidence[self.task] = ev.merge(SpecStats(source_reached=st.source_reached,
+                                                                  source_accepted=st.source_accepted))
+
+    # ---- admission: batched prefill of queued rows into free slots ----------------------------
+    def _admit(self) -> None:
+        while self.queue and (free := self.slots.free_slots()):
+            take = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+            for group in prefill_groups([len(r.prompt_ids) for r in take]):
+                self._prefill([free[i] for i in group], [take[i] for i in group])
+        self.slots.compact()                           # rows may finish at once: the loop refills
+
+    def _prefill(self, slot_ids: list[int], rows: list[Row]) -> None:
+        t0 = time.perf_counter()
+        dev = self.e.device
+        lens = torch.tensor([len(r.prompt_ids) for r in rows], device=dev)
+        width = int(lens.max())
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        for i, r in enumerate(rows):
+            ids[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        slots = torch.tensor(slot_ids, device=dev)
+        hidden = self.e.target(ids, Batch.from_start(len(rows), width, dev, rows=slots), self.cache)
+        idx = torch.arange(len(rows), device=dev)
+        keys = torch.tensor([r.key for r in rows], device=dev)
+        first = self._sample_target(self.e.target.logits(hidden[idx, lens - 1]), keys, lens)
+        self.slots.place(slot_ids, rows, lens, first)
+        for source in self.sources or ():
+            source.after_prefill(slots, hidden, ids, lens, first)
+        for r, tok in zip(rows, first.tolist()):
+            r.emit([tok], self.params, self.eos, self.e.tokenizer)
+        self._sync()
+        self.stats.observe_prefill(PrefillRecord(len(rows), len(rows) * width, time.perf_counter() - t0))
+        self.slots.release_finished()
+
+    # ---- one speculative step over all active rows -------------------------------------------
+    def _step(self) -> None:
+        s = self.slots
+        n = s.n
+        if n == 0:
+            return
+        t_choose = time.perf_counter()
+        lengths = s.lengths[:n]                     # unchanged until s.advance below
+        ctx = float(lengths.float().mean())
+        gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
+                                                   rows_apart=self._rows_apart(n))), self.mtp_cap)
+        t0 = time.perf_counter()
+        keys = s.keys[:n]
+        pick = lambda lg, d: self._pick_draft(lg, keys, lengths + d)    # noqa: E731
+        if self.planner is None:
+            plan = StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=lengths.device), None, None, None, 0, None, None)
+        else:
+            last = self.policy.decisions[-1] if getattr(self.policy, "decisions", None) else None
+            measuring = last is not None and (last.measuring or last.calibrating)   # the heads' own steps
+            plan = self.planner.plan(n, lengths, s.rows[:n], gamma, pick, self.stats,
+                                     getattr(self.policy, "prior", None), ctx, measuring)
+        drafts, width = plan.drafts, plan.drafts.shape[1]
+        self._sync()
+        t1 = time.perf_counter()
+        if plan.draft_len is None or width == 0:
+            tokens = torch.cat([s.last_token[:n, None], drafts], dim=1)                # [n, gamma + 1]
+            positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)
+            hidden = self.e.target(tokens, Batch.make(positions), self.cache)         # [n, gamma + 1, H]
+            logits = self.e.target.logits(hidden)                                     # [n, gamma + 1, V]
+            computed = n * (width + 1)
+            num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions)
+        else:
+            hidden, logits, computed = verify_forward(self.e.target, self.cache, s.last_token[:n], drafts,
+                                                      plan.draft_len, lengths, self.e.verify_layout)
+            positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)
+            num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions, plan.draft_len, plan.one_hot)
+        acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
+        t2 = time.perf_counter()
+        if s.drafter is not None:
+            for source in s.drafter:
+                source.after_verify(n, lengths, hidden, emitted, num_acc)
+        s.advance(n, num_acc, emitted)
+        if plan.draft_len is None or width == 0:
+            self._emit_uniform(n, width, acc_list, emitted_list)
+        else:
+            self._emit_ragged(n, plan, acc_list, emitted_list)
+        s.release_finished()
+        overhead = (t0 - t_choose) + (time.perf_counter() - t2)
+        step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
+                          t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
+        self.stats.observe_step(step)
+        if plan.match is None or not any(plan.match):   # n-gram rows make a step no gamma prices
+            self.e.costs.record(step, refine=self.refine)
+
+    def _emit_uniform(self, n: int, gamma: int, acc_list: list[int], emitted_list: list[list[int]]) -> None:
+        emit_uniform(self.slots.rows[:n], self.stats, gamma, acc_list, emitted_list, self._emit)
+
+    def _emit_ragged(self, n: int, plan: StepDrafts, acc_list: list[int], emitted_list: list[list[int]]) -> None:
+        emit_ragged(self.slots.rows[:n], self.stats, plan, acc_list, emitted_list, self._emit)
+
+    def _emit(self, row: Row, tokens: list[int]) -> None:
+        row.emit(tokens, self.params, self.eos, self.e.tokenizer)
+
+    def _rows_apart(self, n: int) -> tuple:
+        """For the cost-model policy: the rows it prices on their own (pipeline.spec_decode.policy):
+        every row at a tail (queue empty, few rows left), else those within gamma_max tokens of
+        their budget. Not every row of a small batch: a fresh row is a typical one, and a row
+        priced down to gamma 0 after two misses would draft no more and never be priced up."""
+        if not self.refine or not self.mtp_cap:
+            return ()
+        cap, few = self.mtp_cap, n <= FEW_ROWS and not self.queue
+        apart = []
+        for r in self.slots.rows[:n]:
+            if r is None:
+                continue
+            left = r.max_new - len(r.tokens)          # more than gamma_max left never binds: one value
+            if few or left <= cap:                    # for all of those keeps the decision reusable
+                apart.append((min(left, cap + 1), r.drafted_steps, r.first_hits))
+        return tuple(sorted(apart))
+
+    # ---- sampling ------------------------------------------------------------------------------
+    # Coupled (pipeline/engine/coupled.py): the target and the drafts pick with the same keyed
+    # noise per position, a draft is kept when it equals the target's token. Rejection: the
+    # min(1, p/q) rule with one uniform per decision. Greedy: argmax.
+    def _pick_draft(self, logits, keys, positions):
+        p = self.params
+        if p.greedy:
+            return logits.argmax(-1), None
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)                  # [n, V]
+        if self.coupled:
+            return self.coupled.draft(probs, keys, positions), None
+        return sample(probs, rng.uniforms(p.seed, keys, positions, rng.DRAFT)), probs
+
+    def _sample_target(self, logits, keys, positions):
+        """logits [n, V] or [n, q, V]; positions [n] or [n, q]: where the sampled tokens land."""
+        p = self.params
+        if p.greedy:
+            return logits.argmax(-1)
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        if self.coupled:
+            return self.coupled.target(probs, keys, positions)
+        return sample(probs, rng.uniforms(p.seed, keys, positions, rng.TARGET))
+
+    def _accept(self, drafts, draft_probs, logits, keys, positions, draft_len=None, one_hot=None):
+        """positions: [n, gamma + 1] of the verify inputs; token j lands at positions + 1.
+        draft_len: [n] drafts per row (padded slots are PAD and never match), else all gamma;
+        one_hot: [n] rows whose drafts are deterministic (q one-hot: acceptance.rejection_sample_ragged)."""
+        p = self.params
+        if p.greedy:
+            return greedy_accept(drafts, logits)
+        out_pos = positions + 1
+        if self.coupled:
+            return coupled_accept(drafts, self._sample_target(logits, keys, out_pos))
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        u_final = rng.uniforms(p.seed, keys, out_pos, rng.TARGET)
+        if drafts.shape[1] == 0:
+            return torch.zeros_like(keys), sample(probs, u_final)
+        u_accept = rng.uniforms(p.seed, keys, out_pos[:, :-1], rng.ACCEPT)
+        if draft_len is not None:
+            return rejection_sample_ragged(drafts, draft_probs, probs, u_accept, u_final, draft_len, one_hot)
+        return rejection_sample(drafts, draft_probs, probs, u_accept, u_final)
+
+    def _sync(self) -> None:
+        if self.e.device.type == "cuda":
+            torch.cuda.synchronize(self.e.device)
