@@ -166,9 +166,10 @@ class GenerateRun:
         drafts, width = plan.drafts, plan.drafts.shape[1]
         self._sync()
         t1 = time.perf_counter()
-        if plan.draft_len is None or width == 0:
+        uniform = plan.draft_len is None or width == 0                                # every row drafts `width`
+        positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)  # [n, width + 1]
+        if uniform:
             tokens = torch.cat([s.last_token[:n, None], drafts], dim=1)                # [n, gamma + 1]
-            positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)
             hidden = self.e.target(tokens, Batch.make(positions), self.cache)         # [n, gamma + 1, H]
             logits = self.e.target.logits(hidden)                                     # [n, gamma + 1, V]
             computed = n * (width + 1)
@@ -176,7 +177,6 @@ class GenerateRun:
         else:
             hidden, logits, computed = verify_forward(self.e.target, self.cache, s.last_token[:n], drafts,
                                                       plan.draft_len, lengths, self.e.verify_layout)
-            positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)
             num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions, plan.draft_len, plan.one_hot)
         acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
         t2 = time.perf_counter()
@@ -184,10 +184,10 @@ class GenerateRun:
             for source in s.drafter:
                 source.after_verify(n, lengths, hidden, emitted, num_acc)
         s.advance(n, num_acc, emitted)
-        if plan.draft_len is None or width == 0:
-            self._emit_uniform(n, width, acc_list, emitted_list)
+        if uniform:
+            emit_uniform(s.rows[:n], self.stats, width, acc_list, emitted_list, self._emit)
         else:
-            self._emit_ragged(n, plan, acc_list, emitted_list)
+            emit_ragged(s.rows[:n], self.stats, plan, acc_list, emitted_list, self._emit)
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
         step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
@@ -195,12 +195,6 @@ class GenerateRun:
         self.stats.observe_step(step)
         if plan.match is None or not any(plan.match):   # n-gram rows make a step no gamma prices
             self.e.costs.record(step, refine=self.refine)
-
-    def _emit_uniform(self, n: int, gamma: int, acc_list: list[int], emitted_list: list[list[int]]) -> None:
-        emit_uniform(self.slots.rows[:n], self.stats, gamma, acc_list, emitted_list, self._emit)
-
-    def _emit_ragged(self, n: int, plan: StepDrafts, acc_list: list[int], emitted_list: list[list[int]]) -> None:
-        emit_ragged(self.slots.rows[:n], self.stats, plan, acc_list, emitted_list, self._emit)
 
     def _emit(self, row: Row, tokens: list[int]) -> None:
         row.emit(tokens, self.params, self.eos, self.e.tokenizer)
