@@ -153,3 +153,27 @@ def test_mtp_prompts_follow_task_shares_and_the_split():
     held = _prompts(recs, True, 300, seed=0)                   # only 20 held-out functions exist
     assert len(held) == 60
     assert _prompts(recs, False, 40, seed=0, shares={"summarize": 0.5, "complete": 0.3, "json": 0.2}) == train
+
+
+def test_store_stage_halves_the_weights_and_loads_in_float32(tmp_path):
+    """The build's store stage writes bfloat16 weights; both loaders compute in float32 from them
+    and agree with each other (the shipped demo is stored this way)."""
+    import transformers
+
+    from pipeline.demo.build import store_weights
+    from pipeline.model.loader import load_model
+    from pipeline.model.tiny import make_tiny_checkpoint
+    torch.set_num_threads(1)
+    path = make_tiny_checkpoint(tmp_path / "m", arch="llama", num_mtp_layers=1)
+    before = (path / "model.safetensors").stat().st_size
+    store_weights(path, "bfloat16", log=lambda _: None)
+    assert (path / "model.safetensors").stat().st_size < 0.6 * before
+    store_weights(path, "bfloat16", log=lambda _: pytest.fail("stored twice"))   # already stored: no-op
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    loaded = load_model(path)
+    assert hf.dtype == torch.float32 and {p.dtype for p in loaded.target.parameters()} == {torch.float32}
+    assert len(loaded.heads) == 1
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.target.logits(loaded.target.forward_full(ids)), hf(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)

@@ -3,6 +3,7 @@
     python -m pipeline.run +job=build_demo          # the Hydra job (conf/job/build_demo.yaml)
     python -m pipeline.demo.build [--work-dir DIR] [--stages data,tokenizer,base,mtp,eval]
     python -m pipeline.demo.build --stages vocab    # only a draft vocabulary for the shipped heads
+    python -m pipeline.demo.build --stages store,eval   # re-store the weights, re-measure what ships
 
 Every stage is seeded and skips work it finds done in `work_dir` (the base model's training
 resumes from its last checkpoint), so an interrupted build continues where it stopped.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
-STAGES = ("data", "tokenizer", "base", "sft", "mtp", "eval")
+STAGES = ("data", "tokenizer", "base", "sft", "mtp", "store", "eval")
 EXTRA_STAGES = ("vocab",)   # on request only: a draft vocabulary for heads built before they had one
 
 
@@ -37,6 +38,7 @@ class BuildSpec:
     mtp: dict = field(default_factory=dict)        # MTPTrainSpec overrides
     eval: dict = field(default_factory=dict)       # evaluate_acceptance keyword overrides
     draft_vocab_size: int = 2048      # the "vocab" stage's size (the mtp stage uses mtp.draft_vocab_size)
+    store_dtype: str = "bfloat16"     # the "store" stage's weight dtype on disk (loads compute in float32)
 
 
 def build(spec: BuildSpec, log=print) -> dict:
@@ -100,6 +102,8 @@ def build(spec: BuildSpec, log=print) -> dict:
         result["mtp"] = train_mtp_into(model_dir, train_p, eval_p, mtp_spec, work / "mtp",
                                        device=str(dev), log=log)
         times["mtp"] = time.time() - t
+    if "store" in spec.stages:
+        store_weights(Path(spec.model_dir), spec.store_dtype, log=log)
     if "vocab" in spec.stages:
         write_corpus_draft_vocab(Path(spec.model_dir), records, spec.draft_vocab_size, log=log)
     if "eval" in spec.stages:
@@ -114,6 +118,26 @@ def build(spec: BuildSpec, log=print) -> dict:
     (work / "build_result.json").write_text(json.dumps(result, indent=2, default=str))
     log(json.dumps(result, indent=2, default=str))
     return result
+
+
+def store_weights(model_dir: Path, dtype: str, log=print) -> None:
+    """Cast the floating-point tensors of model_dir's safetensors files to `dtype` in place.
+    config.json keeps its compute dtype (float32), so transformers and the engine load the
+    bfloat16 weights into float32 modules: half the bytes on disk, the same arithmetic after.
+    The eval stage runs after this one, so the reported acceptance is that of what ships."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    dt = getattr(torch, dtype)
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if all(t.dtype == dt for t in tensors.values() if t.is_floating_point()):
+            continue
+        save_file({k: t.to(dt) if t.is_floating_point() else t for k, t in tensors.items()}, str(path),
+                  metadata=meta)
+        log(f"stored {path.name} as {dtype}: {path.stat().st_size / 2**20:.1f} MiB")
 
 
 def write_corpus_draft_vocab(model_dir: Path, records, size: int, log=print):
