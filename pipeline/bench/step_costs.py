@@ -2,9 +2,11 @@
 against a gamma-0 step, at a few batch sizes and contexts.
 
 verify(q): one target forward of rows x q tokens at context `ctx`, its float32 logits and their
-argmax, as the engine's verify step runs it. draft(g): the engine's own Drafter proposing g
-tokens (the fill over g + 1 accepted tokens, then g depths); the depth cost is the slope
-(draft(g) - draft(1)) / (g - 1) and draft(1) is reported apart (it holds the fill). Medians of
+argmax, as the engine's verify step runs it. Drafting is timed through the engine's own draft
+sources (`Engine.draft_sources`, each one's `probe`): draft(g), a source costed per depth (the
+heads) proposing g tokens (the fill over g + 1 accepted tokens, then g depths); the depth cost
+is the slope (draft(g) - draft(1)) / (g - 1) and draft(1) is reported apart (it holds the fill);
+lookup, a source costed per row (the n-gram lookup), per row at the largest g. Medians of
 `reps` timings, each after a warm-up; every shape runs once per repetition, in the
 interleaved order of pipeline.bench.repeat, so a shared machine's drift hits all shapes alike
 and the ratios hold where the absolute times swing.
@@ -13,12 +15,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.bench.repeat import run_order
-from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.model.cache import Batch, KVCache
 
 
@@ -27,7 +28,8 @@ class StepCosts:
     rows: int
     ctx: int
     verify_s: dict          # q -> seconds
-    draft_s: dict           # gamma -> seconds (empty without heads)
+    draft_s: dict           # gamma -> seconds of the sources costed per depth (empty without heads)
+    lookup_row_s: dict = field(default_factory=dict)   # source costed per row -> seconds per row
 
     def verify_ratio(self, q: int) -> float:
         return self.verify_s[q] / self.verify_s[1]
@@ -76,12 +78,15 @@ def measure_many(engines: dict, rows: int, ctx: int, q_max: int = 6, reps: int =
         cache = KVCache(cfg.num_layers, rows, capacity, cfg.num_kv_heads, cfg.head_dim, dt, dev)
         gen = torch.Generator().manual_seed(0)
         fns.update({(name, "v", q): _verify_fn(engine, cache, rows, ctx, q, gen) for q in range(1, q_max + 1)})
-        if engine.heads:
-            drafter = Drafter(engine.heads, rows, capacity, cfg.hidden_size, dt, dev)
-            fns.update({(name, "d", g): _draft_fn(engine, drafter, rows, ctx, g, gen) for g in draft_gammas})
+        for source in engine.draft_sources(rows, capacity) or ():
+            if source.cost_per == "depth":
+                fns.update({(name, "d", g): source.probe(rows, g, ctx) for g in draft_gammas})
+            else:
+                fns[(name, "l", source.name)] = source.probe(rows, max(draft_gammas), ctx)
     t = median_times(fns, reps, next(iter(engines.values())).device, stat, clock)
     return {name: StepCosts(rows, ctx, {k[2]: v for k, v in t.items() if k[:2] == (name, "v")},
-                            {k[2]: v for k, v in t.items() if k[:2] == (name, "d")}) for name in engines}
+                            {k[2]: v for k, v in t.items() if k[:2] == (name, "d")},
+                            {k[2]: v / rows for k, v in t.items() if k[:2] == (name, "l")}) for name in engines}
 
 
 def baseline_engine(model, device: str):
@@ -109,26 +114,11 @@ def _verify_fn(engine, cache, rows: int, ctx: int, q: int, gen):
     return step
 
 
-def _draft_fn(engine, drafter, rows: int, ctx: int, g: int, gen):
-    cfg, dev = engine.config, engine.device
-    q = g + 1
-    tokens = torch.randint(0, cfg.vocab_size, (rows, q), generator=gen).to(dev)
-    hidden = torch.randn(rows, q, cfg.hidden_size, generator=gen).to(dev, engine.dtype)
-    fill = PendingFill(torch.arange(rows, device=dev), torch.full((rows,), ctx - q, device=dev), hidden, tokens,
-                       torch.full((rows,), q, device=dev))
-    lengths = torch.full((rows,), ctx, device=dev)
-
-    def run():
-        drafter.add_pending(fill)
-        drafter.propose(rows, lengths, g, lambda logits, _: (logits.argmax(-1), None))
-    return run
-
-
 def table(results: list[StepCosts], names: list[str] | None = None) -> str:
     """Markdown: one line per (rows, ctx) (and engine, where `names` label them)."""
     qs = sorted(results[0].verify_s)
     head = (["engine"] if names else []) + ["rows", "ctx", "step ms"]
-    head += [f"v({q})/v(1)" for q in qs[1:]] + ["draft(1)/step", "depth/step", "depth ms"]
+    head += [f"v({q})/v(1)" for q in qs[1:]] + ["draft(1)/step", "depth/step", "depth ms", "lookup us/row"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(results):
         step = r.verify_s[1]
@@ -136,8 +126,9 @@ def table(results: list[StepCosts], names: list[str] | None = None) -> str:
         d1 = r.draft_s.get(1)
         cells = ([names[i]] if names else []) + [str(r.rows), str(r.ctx), f"{1e3 * step:.2f}"]
         cells += [f"{r.verify_ratio(q):.2f}" for q in qs[1:]]
+        lookup = sum(r.lookup_row_s.values())
         cells += [f"{d1 / step:.2f}" if d1 else "-", f"{depth / step:.2f}" if depth else "-",
-                  f"{1e3 * depth:.2f}" if depth else "-"]
+                  f"{1e3 * depth:.2f}" if depth else "-", f"{1e6 * lookup:.1f}" if lookup else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

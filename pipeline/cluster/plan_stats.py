@@ -61,7 +61,7 @@ def plan_fields(stats: Any, policy: Any, plan: Any, gamma: int | str, prior: Any
 def actor_costs(engine: Any, info: dict, stats_rows: list[dict]) -> dict | None:
     """The actor's cost evidence after a shard; None from an engine without a cost model."""
     model = None
-    if callable(getattr(engine, "cost_model", None)) and getattr(engine, "num_mtp_heads", 0):
+    if callable(getattr(engine, "cost_model", None)) and "mtp" in getattr(engine, "draft_names", ()):
         costs = getattr(engine, "costs", None)
         if costs is not None and getattr(costs, "profile", None):
             try:

@@ -166,7 +166,7 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
     policy = gamma
     if plan is not None:
         prior = plan.prior()
-    if gamma == "auto" and getattr(engine, "num_mtp_heads", 0) and hasattr(engine, "auto_policy"):
+    if gamma == "auto" and "mtp" in getattr(engine, "draft_names", ()) and hasattr(engine, "auto_policy"):
         policy = (engine.auto_policy(prior=prior) if plan is None else
                   engine.auto_policy(prior=prior, planned=plan.gamma, calibrate=plan.calibrate, rows=len(prompts)))
     wall0 = time.perf_counter()

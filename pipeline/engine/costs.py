@@ -2,7 +2,8 @@
 the cost model fitted from both, and when that knowledge has gone stale.
 
 Every step the engine runs is `record`ed: it joins the window the smooth model is refitted from
-and the per-shape local correction (pipeline.spec_decode.cost.LocalCorrection), which prices it at once.
+and, where it is a gamma's shape (no n-gram rows), the per-shape local correction
+(pipeline.spec_decode.cost.LocalCorrection), which prices it at once.
 
 Stale means re-profile before the next shard, for one of two measured reasons:
 - drift: over the last `window` steps at shapes already measured, the step time is off what the
@@ -81,11 +82,19 @@ class CostTracker:
             self._new_steps, self._new_work_s = 0, 0.0
         return self._model
 
-    def record(self, step: StepRecord, refine: bool = True) -> None:
+    def record(self, step: StepRecord, refine: bool = True, by_gamma: bool = True) -> None:
         """One step the engine ran. `refine`: it ran under the cost-model policy, so it counts
         towards the next refit (steps at a caller's fixed gamma are kept, and priced locally,
-        but do not make the auto policy pay for a refit)."""
+        but do not make the auto policy pay for a refit). `by_gamma`: every row drafted the
+        step's gamma with the heads, or none did; a step with n-gram rows is no gamma's shape,
+        so it joins the fit window (verify priced by the tokens it computed, drafting by
+        source) but neither the per-gamma correction nor the drift check."""
         self.steps.append(step)
+        if refine:
+            self._new_steps += 1
+            self._new_work_s += step.verify_s + step.draft_s
+        if not by_gamma:
+            return
         model = self._model
         key = self.local.key(step.gamma, step.rows, step.context_len)
         if model is not None:
@@ -96,9 +105,6 @@ class CostTracker:
                     self.ratios.append(step_seconds(step) / predicted)
                     self._check_drift()
         self.local.add(step, model, key)
-        if refine:
-            self._new_steps += 1
-            self._new_work_s += step.verify_s + step.draft_s
 
     def _check_drift(self) -> None:
         """Every quarter window (a median per step would cost more than the check is worth)."""

@@ -9,6 +9,7 @@ drafts what its source has, up to gamma. The result is one padded draft tensor w
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,11 @@ class StepDrafts:
     mtp_gamma: int                    # the heads drafted this many for every row (0: not run)
     use_mtp: torch.Tensor | None      # [n] bool rows taking the MTP drafts
     match: list[int] | None           # [n] n-gram match length (0: not an n-gram row)
+    lookup_s: float = 0.0             # host-side drafting: the n-gram lookup (its own timing) and the per-row choice
 
 
-def empty_drafts(n: int, device) -> StepDrafts:
-    return StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=device), None, None, None, 0, None, None)
+def empty_drafts(n: int, device, lookup_s: float = 0.0) -> StepDrafts:
+    return StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=device), None, None, None, 0, None, None, lookup_s)
 
 
 def per_step_costs(model, rows: int, ctx: float, width: int = 1):
@@ -67,15 +69,17 @@ class DraftPlanner:
         step, so no n-gram drafts (they would take rows from the heads' evidence or the price)."""
         dev = lengths.device
         mtp, ngram = self.sources.get("mtp"), self.sources.get("ngram")
-        ng = None
+        ng, looked = None, 0.0
         if self._wait > 0:
             self._wait -= 1
         elif ngram is not None and self.ngram_cap > 0 and not measuring:
             ng = ngram.propose(DraftRequest(n, lengths, self.ngram_cap, pick, rows))
+            looked = ng.seconds
             if not bool((ng.draft_len > 0).any()):
                 ng = None
         if ng is None:
-            return self._mtp_only(n, lengths, rows, mtp_gamma, pick)
+            return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
+        t_choice = time.perf_counter()            # the per-row choice is host work n-gram drafting needs
         match = torch.tensor(ng.match, dtype=torch.long)
         p_ng = keep_probs(self._ngram_table(stats, ng.drafts.shape[1])[match], ng.draft_len.cpu())   # [n, Gn]
         use_mtp = torch.zeros(n, dtype=torch.bool)
@@ -87,10 +91,11 @@ class DraftPlanner:
         p_ng[use_mtp] = 0
         ng_lens = self._lengths(p_ng, n, ctx) if self.auto else ng.draft_len.cpu()
         lens = torch.where(use_mtp, mtp_gamma, ng_lens)
+        looked += time.perf_counter() - t_choice
         if int(lens.sum()) == 0:          # no n-gram draft pays: look again after a growing pause
             self._idle += 1
             self._wait = min(2 ** self._idle, MAX_WAIT) - 1
-            return self._mtp_only(n, lengths, rows, mtp_gamma, pick)
+            return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
         self._idle = 0
         width = int(lens.max())
         drafts = torch.full((n, width), PAD, dtype=torch.long, device=dev)
@@ -111,17 +116,18 @@ class DraftPlanner:
         drafts = torch.where(pad_mask(lens, width), drafts, PAD)
         one_hot = ~use_mtp.to(dev)
         match_list = [m if not u and l else 0 for m, u, l in zip(ng.match, use_mtp.tolist(), lens.tolist())]
-        return StepDrafts(drafts, lens, probs, one_hot, ran, use_mtp.to(dev), match_list)
+        return StepDrafts(drafts, lens, probs, one_hot, ran, use_mtp.to(dev), match_list, looked)
 
-    def _mtp_only(self, n: int, lengths, rows, mtp_gamma: int, pick) -> StepDrafts:
-        """Every row drafts mtp_gamma with the heads (or nobody drafts): the step as before n-grams."""
+    def _mtp_only(self, n: int, lengths, rows, mtp_gamma: int, pick, looked: float = 0.0) -> StepDrafts:
+        """Every row drafts mtp_gamma with the heads (or nobody drafts): the step as before n-grams.
+        `looked`: the host seconds of a lookup (and choice) that found nothing worth drafting."""
         mtp = self.sources.get("mtp")
         if mtp is None or mtp_gamma == 0:
             if mtp is not None:
                 mtp.skip()
-            return empty_drafts(n, lengths.device)
+            return empty_drafts(n, lengths.device, looked)
         prop = mtp.propose(DraftRequest(n, lengths, mtp_gamma, pick, rows))
-        return StepDrafts(prop.drafts, None, prop.probs, None, mtp_gamma, None, None)
+        return StepDrafts(prop.drafts, None, prop.probs, None, mtp_gamma, None, None, looked)
 
     def _ngram_table(self, stats: SpecStats, depth: int) -> torch.Tensor:
         """Per-depth acceptance by match length, re-estimated every TABLE_STEPS steps (it moves

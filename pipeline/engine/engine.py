@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.engine.costs import CostTracker
-from pipeline.engine.drafters import TaskIndex, resolve_draft
+from pipeline.engine.drafters import Sources, TaskIndex, make_sources, resolve_draft
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingParams
 from pipeline.engine.warm_start import checkpoint_prior, ensure_profile
 from pipeline.engine.rows import Row
@@ -67,6 +67,19 @@ class Engine:
     @property
     def num_mtp_heads(self) -> int:
         return len(self.heads)
+
+    @property
+    def draft_names(self) -> tuple[str, ...]:
+        """The draft sources this checkpoint has: ("mtp", "ngram"), or ("ngram",) without heads."""
+        return resolve_draft("auto", bool(self.heads))
+
+    def draft_sources(self, rows: int, capacity: int, names=None, task_index: TaskIndex | None = None,
+                      coupled: bool = False, held_cache: bool = False) -> Sources | None:
+        """This checkpoint's draft sources (or those of `names` it has) for `rows` slots of
+        `capacity` tokens: what a generate call drafts with, and what profiles and benchmarks
+        time through each source's `probe` and `cost_per` (pipeline.engine.drafters.base)."""
+        return make_sources(self, self.draft_names if names is None else names, rows, capacity, task_index,
+                            coupled, held_cache)
 
     def reset_stats(self) -> None:
         self.stats = SpecStats()

@@ -1,17 +1,19 @@
 """A short cost profile of the accelerator: timed verify forwards and drafts at several batch
 shapes, recorded as StepRecords so the cost model fits them like real steps.
 
-A draft is timed through the engine's own Drafter (every head's fill over the gamma + 1 tokens a
-step accepts at most, then gamma depths with their logits), not a sketch of it: the profile is
-all the cost model knows of drafting until the engine speculates, and after a long run of plain
-decoding the fit window holds no drafted step to correct it (docs/decisions.md, 2026-11-29)."""
+Drafts are timed through the engine's own draft sources (`Engine.draft_sources`, each one's
+`probe`), not a sketch of them: the profile is all the cost model knows of drafting until the
+engine speculates, and after a long run of plain decoding the fit window holds no drafted step
+to correct it (docs/decisions.md, 2026-11-29). The heads are timed per depth (each head's fill
+over the gamma + 1 tokens a step accepts at most, then gamma depths with their logits); a
+host-side source (the n-gram lookup) once per batch size and context, at gamma_max, its time
+in `lookup_s` (part of draft_s)."""
 from __future__ import annotations
 
 import time
 
 import torch
 
-from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.model.cache import Batch, KVCache
 from pipeline.spec_decode.stats import StepRecord
 
@@ -27,14 +29,15 @@ def rows_grid(max_rows: int) -> list[int]:
 @torch.inference_mode()
 def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128, reps: int = 2,
                   rows_list: list[int] | None = None) -> list[StepRecord]:
-    """Time target forwards of rows x (gamma + 1) tokens, and drafts of gamma tokens, at a few
-    batch sizes (`rows_list`, default `rows_grid(max_rows)`) and two context lengths. Takes well
-    under a second for small models on a CPU."""
+    """Time target forwards of rows x (gamma + 1) tokens, and drafts of gamma tokens by every
+    draft source the checkpoint has, at a few batch sizes (`rows_list`, default
+    `rows_grid(max_rows)`) and two context lengths. Takes well under a second for small models
+    on a CPU."""
     cfg, dev, dt = engine.config, engine.device, engine.dtype
     contexts = sorted({max(1, context_len // 2), context_len * 2})
     capacity = max(contexts) + gamma_max + 2
     cache = KVCache(cfg.num_layers, max_rows, capacity, cfg.num_kv_heads, cfg.head_dim, dt, dev)
-    drafter = (Drafter(engine.heads, max_rows, capacity, cfg.hidden_size, dt, dev) if engine.heads else None)
+    sources = list(engine.draft_sources(max_rows, capacity) or ())
     gen = torch.Generator(device="cpu").manual_seed(0)
     records = []
 
@@ -61,18 +64,12 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
                     return logits.argmax(-1)
 
                 v = timed(verify)
-                d = 0.0
-                if gamma and drafter is not None:
-                    fill = PendingFill(torch.arange(rows, device=dev), (positions[:, 0] - q).clamp(min=0),
-                                       torch.zeros(rows, q, cfg.hidden_size, dtype=dt, device=dev), tokens,
-                                       torch.full((rows,), q, device=dev))
-
-                    def draft():
-                        drafter.add_pending(fill)
-                        drafter.propose(rows, positions[:, 0], gamma, lambda logits, _: (logits.argmax(-1), None))
-
-                    d = timed(draft)
-                records.append(StepRecord(gamma, rows, q, float(ctx), v, d, 0))
+                cost = {"depth": 0.0, "row": 0.0}
+                for source in sources:         # a per-row cost does not grow with gamma: timed once
+                    if gamma and (source.cost_per == "depth" or gamma == gamma_max):
+                        cost[source.cost_per] += timed(source.probe(rows, gamma, ctx))
+                records.append(StepRecord(gamma, rows, q, float(ctx), v, cost["depth"] + cost["row"], 0,
+                                          lookup_s=cost["row"]))
     return records
 
 

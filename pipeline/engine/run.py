@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.engine.coupled import CoupledSampler
-from pipeline.engine.drafter import Drafter
-from pipeline.engine.drafters import MTPSource, NgramSource, Sources, TaskIndex
+from pipeline.engine.drafters import TaskIndex
 from pipeline.engine.drafting import DraftPlanner, StepDrafts
 from pipeline.engine.emit import emit_ragged, emit_uniform
 from pipeline.engine.verify import verify_forward
@@ -65,7 +65,8 @@ class GenerateRun:
         gamma = policy if gamma is None else gamma
         cfg = engine.config
         self.auto = gamma == "auto" or isinstance(gamma, GoodputPolicy)
-        self.mtp_cap = min(engine.gamma_max, policy.max_gamma()) if engine.heads and "mtp" in sources else 0
+        self.mtp_cap = (min(engine.gamma_max, policy.max_gamma())
+                        if "mtp" in sources and "mtp" in engine.draft_names else 0)
         ngram_cap = 0
         if "ngram" in sources:
             ngram_cap = engine.gamma_max if gamma == "auto" else gamma.max_gamma() if hasattr(gamma, "choose") else int(gamma)
@@ -73,23 +74,15 @@ class GenerateRun:
         batch = min(engine.max_batch_size, len(rows))
         capacity = max(len(r.prompt_ids) + r.max_new for r in rows) + self.gamma_cap + 2
         self.cache = engine.kv_cache("target", cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-        self.drafter = None
-        found = {}
-        if self.mtp_cap > 0:
-            attn = engine.heads[0].self_attn
-            heads_cache = engine.kv_cache("heads", len(engine.heads), batch, capacity, attn.num_kv_heads, attn.head_dim)
-            self.drafter = Drafter(engine.heads, batch, capacity, cfg.hidden_size, engine.dtype, engine.device,
-                                   cache=heads_cache)
-            self.drafter.full_vocab_picks = params.coupled
-            found["mtp"] = MTPSource(self.drafter)
-        if ngram_cap > 0:
-            index = engine.task_indexes.setdefault(task, TaskIndex(TASK_INDEX_TOKENS))
-            found["ngram"] = NgramSource(index, engine.device)
-            if self.auto:
-                ensure_profile(engine, rows=batch, explore=self.mtp_cap > 0)   # per-row choice prices drafts by the cost model
-        self.sources = Sources(found) if found else None
+        names = [name for name, cap in (("mtp", self.mtp_cap), ("ngram", ngram_cap)) if cap > 0]
+        index = engine.task_indexes.setdefault(task, TaskIndex(TASK_INDEX_TOKENS)) if ngram_cap > 0 else None
+        self.sources = engine.draft_sources(batch, capacity, names, index, coupled=params.coupled, held_cache=True)
+        mtp = self.sources.get("mtp") if self.sources is not None else None
+        self.drafter = mtp.drafter if mtp is not None else None      # the heads' Drafter, where they draft
+        if ngram_cap > 0 and self.auto:          # the per-row choice prices drafts by the cost model
+            ensure_profile(engine, rows=batch, explore=self.mtp_cap > 0)
         self.planner = None
-        if found:
+        if self.sources is not None:
             evidence = engine.ngram_evidence.get(task)
             self.planner = DraftPlanner(self.sources, self.auto, ngram_cap, evidence, engine.cost_model, params,
                                         engine.verify_layout)
@@ -98,7 +91,8 @@ class GenerateRun:
         self.queue = deque(rows)
         self.eos = frozenset(cfg.eos_token_ids)
         self.stats = engine.last_stats
-        self.refine = isinstance(policy, GoodputPolicy)     # its steps count towards cost-model refits
+        # its steps count towards cost-model refits: the gamma policy or the per-row choice prices by it
+        self.refine = isinstance(policy, GoodputPolicy) or (self.auto and ngram_cap > 0)
         self.coupled = (CoupledSampler(params.seed, filtered=params.top_k > 0 or params.top_p < 1)
                         if params.coupled else None)
 
@@ -191,10 +185,11 @@ class GenerateRun:
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
         step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
-                          t2 - t1, t1 - t0, sum(acc_list) + n, overhead)
+                          t2 - t1, t1 - t0, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s)
         self.stats.observe_step(step)
-        if plan.match is None or not any(plan.match):   # n-gram rows make a step no gamma prices
-            self.e.costs.record(step, refine=self.refine)
+        # the cost model's sample: the heads' depth as they ran (the stats keep the policy's gamma)
+        sample = step if step.gamma == plan.mtp_gamma else replace(step, gamma=plan.mtp_gamma)
+        self.e.costs.record(sample, refine=self.refine, by_gamma=plan.match is None or not any(plan.match))
 
     def _emit(self, row: Row, tokens: list[int]) -> None:
         row.emit(tokens, self.params, self.eos, self.e.tokenizer)

@@ -7,11 +7,18 @@ plus a fixed extra cost m of a multi-token verify over one-token decoding, plus 
 
     verify_s = a + m * [q > 1] + b * N + h * max(0, N - knee) + c * N * ctx     (all >= 0)
 
-draft_s(rows, gamma, ctx): every head's fill over the tokens accepted last step (about
-rows * (gamma + 1)), attending to the context like the target, plus gamma - 1 one-token steps:
+draft_s(rows, gamma, ctx): the heads' drafting (a step's draft time less its lookups, below):
+every head's fill over the tokens accepted last step (about rows * (gamma + 1)), attending to
+the context like the target, plus gamma - 1 one-token steps:
 
     draft_s = [gamma > 0] * (d + e * rows * (gamma + 1) + k * rows * (gamma + 1) * ctx)
               + max(gamma - 1, 0) * (f + g * rows)
+
+lookup_s(rows) = l * rows: host-side drafting (the n-gram lookup, which the source times itself,
+and the per-row choice it needs: StepRecord.lookup_s, part of draft_s), the median per row of
+the steps that looked up (else of the profile, which times the lookup alone).
+So a step whose rows drafted from several sources is priced part by part: its verify by the
+tokens it computed (N above), the heads by their depth, the lookup by its rows.
 
 overhead_s(rows) = o0 + o1 * rows: the rest of a step (choosing gamma, emitting tokens, stop
 checks), measured on real steps only and paid once per step however many tokens it emits.
@@ -23,13 +30,14 @@ real / predicted: the profile gives the shape of the costs, the real steps their
 
 A smooth model is off by tens of percent at some shapes, so `LocalCorrection` multiplies it by
 the median measured / modelled whole-step time of the last `KEEP_LOCAL` steps at each (gamma,
-rows bucket, context bucket) with at least `MIN_LOCAL` of them; a shape not yet run borrows the
-factor of the nearest measured bucket at the same rows (same gamma at the nearest context
-first, else the nearest gamma). These are kept per shape, apart from the fit window, so a shape
-measured once stays measured. Prices age on a shared machine: each bucket counts the engine's
-steps since it last ran (`age`, used by the policy to re-measure gamma 0), and a bucket run again
-after REVISIT_STEPS steps elsewhere keeps only its newest MIN_LOCAL - 1 old steps, so MIN_LOCAL
-new steps set its price. Measurements behind this design: docs/decisions.md (2026-11-29).
+rows bucket, context bucket) with at least `MIN_LOCAL` of them (steps where every row drafted
+the heads' gamma or none: a step with n-gram rows is no gamma's shape, and joins only the fit);
+a shape not yet run borrows the factor of the nearest measured bucket at the same rows (same
+gamma at the nearest context first, else the nearest gamma). These are kept per shape, apart
+from the fit window, so a shape measured once stays measured. Prices age on a shared machine:
+each bucket counts the engine's steps since it last ran (`age`, used by the policy to re-measure
+gamma 0), and a bucket run again after REVISIT_STEPS steps elsewhere keeps only its newest
+MIN_LOCAL - 1 old steps, so MIN_LOCAL new steps set its price. Measurements behind this design: docs/decisions.md (2026-11-29).
 """
 from __future__ import annotations
 
@@ -81,6 +89,7 @@ class CostModel:
     multi_token_s: float = 0.0                         # m
     draft_ctx_s: float = 0.0                           # k
     overhead_coef: tuple[float, float] = (0.0, 0.0)    # o0, o1: per step, per row in the step
+    lookup_row_s: float = 0.0                          # l: host-side drafting per row (n-gram lookup, choice)
     local: "LocalCorrection | None" = field(default=None, compare=False)   # measured / modelled per shape
 
     def to_dict(self) -> dict:
@@ -105,6 +114,10 @@ class CostModel:
             return 0.0
         d, e, f, g = self.draft_coef
         return d + (e + self.draft_ctx_s * ctx) * rows * (gamma + 1) + (gamma - 1) * (f + g * rows)
+
+    def lookup_s(self, rows: int) -> float:
+        """Host-side drafting for `rows` rows (not in compute_s: it is paid whatever the gamma)."""
+        return self.lookup_row_s * rows
 
     def overhead_s(self, rows: int) -> float:
         return self.overhead_coef[0] + self.overhead_coef[1] * rows
@@ -144,6 +157,11 @@ def context_bucket(ctx: float) -> int:
 def step_seconds(step) -> float:
     """A StepRecord's whole measured time: draft + verify + the overhead around them."""
     return step.verify_s + step.draft_s + getattr(step, "overhead_s", 0.0)
+
+
+def heads_draft_s(step) -> float:
+    """A StepRecord's drafting less its host-side lookups: what draft_s(rows, gamma, ctx) prices."""
+    return step.draft_s - getattr(step, "lookup_s", 0.0)
 
 
 class LocalCorrection:
@@ -264,7 +282,8 @@ def best_knee_fit(n, multi, ctx, y, weight, most: int = 8):
 
 def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
                    local: LocalCorrection | None = None) -> CostModel | None:
-    """Fit from StepRecord-like objects (rows, query_len, context_len, verify_s, draft_s, gamma):
+    """Fit from StepRecord-like objects (rows, query_len, context_len, verify_s, draft_s, gamma;
+    lookup_s where they have it):
     `steps` the engine ran, `profile` timed bare forwards (weighted `profile_weight`).
     `local`: the steps measured per shape (the engine keeps them across fits; rebased onto the
     new model here); default: a correction built from `steps`.
@@ -279,18 +298,19 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
     y = torch.tensor([s.verify_s for s, _ in records], **f64)
     w = torch.tensor([w for _, w in records], **f64)
     _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2)
-    drafted = [(s, wt) for s, wt in records if s.gamma > 0 and s.draft_s > 0]
+    drafted = [(s, wt) for s, wt in records if s.gamma > 0 and heads_draft_s(s) > 0]
     dcoef = torch.zeros(5, **f64)
     if drafted:
         xd = torch.tensor([[1.0, s.rows * (s.gamma + 1), s.gamma - 1, (s.gamma - 1) * s.rows,
                             s.rows * (s.gamma + 1) * s.context_len] for s, _ in drafted], **f64)
-        yd = torch.tensor([s.draft_s for s, _ in drafted], **f64)
+        yd = torch.tensor([heads_draft_s(s) for s, _ in drafted], **f64)
         wd = torch.tensor([wt for _, wt in drafted], **f64)
         dcoef = nnls(xd, yd, wd / yd.clamp(min=1e-6) ** 2)
     a, m, b, h, c = vcoef.tolist()
     *dcoef, k = dcoef.tolist()
     model = CostModel((a, b, h, c), knee, tuple(dcoef), len(records), multi_token_s=m, draft_ctx_s=k,
-                      overhead_coef=_fit_overhead([s for s in steps if getattr(s, "overhead_s", 0.0) > 0]))
+                      overhead_coef=_fit_overhead([s for s in steps if getattr(s, "overhead_s", 0.0) > 0]),
+                      lookup_row_s=_fit_lookup(steps) or _fit_lookup(profile))
     real = [s for s in steps if s.verify_s > 0]
     model = rescale_to(model, real)
     if local is None:
@@ -312,14 +332,20 @@ def _fit_overhead(steps) -> tuple[float, float]:
     return (o0, o1)
 
 
+def _fit_lookup(steps) -> float:
+    """l: the median host-side lookup seconds per row over the steps that looked up (0: none did)."""
+    per_row = [s.lookup_s / s.rows for s in steps if getattr(s, "lookup_s", 0.0) > 0 and s.rows > 0]
+    return statistics.median(per_row) if per_row else 0.0
+
+
 def rescale_to(model: CostModel, real) -> CostModel:
     """`model` with its verify and draft parts scaled so that, over the real steps, the median
     of measured / predicted is 1."""
     if not real:
         return model
     v = statistics.median(s.verify_s / max(model.verify_s(s.rows, s.query_len, s.context_len), 1e-12) for s in real)
-    drafted = [s for s in real if s.gamma > 0 and s.draft_s > 0]
-    d = statistics.median(s.draft_s / max(model.draft_s(s.rows, s.gamma, s.context_len), 1e-12)
+    drafted = [s for s in real if s.gamma > 0 and heads_draft_s(s) > 0]
+    d = statistics.median(heads_draft_s(s) / max(model.draft_s(s.rows, s.gamma, s.context_len), 1e-12)
                           for s in drafted) if drafted else 1.0
     return replace(model, verify_coef=tuple(x * v for x in model.verify_coef),
                    draft_coef=tuple(x * d for x in model.draft_coef), multi_token_s=model.multi_token_s * v,

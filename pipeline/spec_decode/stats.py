@@ -17,12 +17,13 @@ class StepRecord:
     """One verify step: the cost-model sample (rows, tokens per row, context) and its outcome."""
     gamma: int
     rows: int               # active rows verified together
-    query_len: int          # tokens per row in the verify forward (gamma + 1)
+    query_len: float        # tokens per row the verify forward computed: gamma + 1, or their mean (ragged rows)
     context_len: float      # mean cached tokens per row before the step
     verify_s: float
     draft_s: float
     emitted: int            # tokens emitted over all rows (accepted + 1 per row)
     overhead_s: float = 0.0  # the rest of the step: choosing gamma, emitting tokens, stop checks
+    lookup_s: float = 0.0   # of draft_s, host-side drafting: the n-gram lookup and the per-row choice
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Draft sources behind one protocol (base.DraftSource): `mtp` (the checkpoint's heads) and
-`ngram` (suffix matches in the row and the task's recent outputs). `Sources` holds those a
-generate call uses and fans the slot events (reset, move, drop, finish) out to each."""
+`ngram` (suffix matches in the row and the task's recent outputs). `make_sources` builds those
+a checkpoint has (for a generate call, a profile or a benchmark); `Sources` holds them and fans
+the slot events (reset, move, drop, finish) out to each."""
 from __future__ import annotations
 
 from pipeline.engine.drafters.base import DraftRequest, DraftSource, Proposal
@@ -10,7 +11,7 @@ from pipeline.engine.drafters.ngram import NgramSource
 from pipeline.engine.drafters.task_index import TaskIndex
 
 __all__ = ["DRAFT_CHOICES", "DraftRequest", "DraftSource", "MTPSource", "NgramSource", "Proposal", "Sources",
-           "TaskIndex", "resolve_draft"]
+           "TaskIndex", "make_sources", "resolve_draft"]
 
 
 def resolve_draft(draft: str, has_heads: bool) -> tuple[str, ...]:
@@ -27,6 +28,18 @@ def resolve_draft(draft: str, has_heads: bool) -> tuple[str, ...]:
     if draft == "ngram":
         return ("ngram",)
     return ("mtp", "ngram") if has_heads else ("ngram",)
+
+
+def make_sources(engine, names, rows: int, capacity: int, task_index: TaskIndex | None = None,
+                 coupled: bool = False, held_cache: bool = False) -> Sources | None:
+    """The sources of `names` that `engine` has, for `rows` slots of `capacity` tokens (None: none).
+    `task_index`: the n-gram source's task outputs; `coupled`, `held_cache`: MTPSource.for_engine."""
+    found: dict[str, DraftSource] = {}
+    if "mtp" in names and engine.heads:
+        found["mtp"] = MTPSource.for_engine(engine, rows, capacity, coupled, held_cache)
+    if "ngram" in names:
+        found["ngram"] = NgramSource(task_index, engine.device)
+    return Sources(found) if found else None
 
 
 class Sources:

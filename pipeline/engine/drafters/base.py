@@ -4,6 +4,12 @@ A source proposes up to `max_len` drafts for each active row (`propose`), hears 
 kept (`after_prefill`, `after_verify`), is told when it sat a step out (`skip`), and follows the
 slots as rows move, reset or finish. The engine never asks which source it is; adding one is a
 file in this folder and a line in `pipeline.engine.drafters.make_sources`.
+
+Each source also reports its own cost, for the cost model (pipeline.spec_decode.cost):
+`cost_per` says what it grows with ("depth": device work per draft depth for every row, timed
+with the step's drafting, e.g. the heads; "row": host work per row whatever the depth, which the
+source times itself into `Proposal.seconds`, e.g. the n-gram lookup), and `probe` hands out one
+made-up proposal to time, so a profile or benchmark measures a source without a generate call.
 """
 from __future__ import annotations
 
@@ -28,14 +34,17 @@ class Proposal:
     draft_len: torch.Tensor           # [n] drafts of each row (0..G)
     probs: torch.Tensor | None        # [n, G, V] q of each draft; None: deterministic (one-hot q)
     match: list[int] | None = None    # [n] per row: how the draft was found (n-gram: match length)
+    seconds: float = 0.0              # host time the source measured proposing ("row" sources)
 
 
 class DraftSource(Protocol):
     name: str                     # "mtp", "ngram": the stats' key
     deterministic: bool           # proposals are one-hot in q (no probs)
     needs_hidden: bool            # after_verify needs the target's hidden states
+    cost_per: str                 # "depth" (device, per draft depth) or "row" (host, per row)
 
     def propose(self, req: DraftRequest) -> Proposal: ...
+    def probe(self, rows: int, depth: int, ctx: int) -> Callable[[], object]: ...
     def after_prefill(self, slots: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor,
                       lens: torch.Tensor, first: torch.Tensor) -> None: ...
     def after_verify(self, n: int, lengths: torch.Tensor, hidden: torch.Tensor, emitted: torch.Tensor,

@@ -12,14 +12,47 @@ class MTPSource:
     name = "mtp"
     deterministic = False
     needs_hidden = True
+    cost_per = "depth"
 
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
+
+    @classmethod
+    def for_engine(cls, engine, rows: int, capacity: int, coupled: bool = False,
+                   held_cache: bool = False) -> MTPSource:
+        """The engine's heads drafting for `rows` slots of `capacity` tokens. `held_cache`: the
+        heads' KV cache the engine holds between generate calls, else a new one (a profile's).
+        `coupled`: picks over all V columns (coupled noise is keyed by token id)."""
+        heads = engine.heads
+        attn = heads[0].self_attn
+        cache = (engine.kv_cache("heads", len(heads), rows, capacity, attn.num_kv_heads, attn.head_dim)
+                 if held_cache else None)
+        drafter = Drafter(heads, rows, capacity, engine.config.hidden_size, engine.dtype, engine.device, cache=cache)
+        drafter.full_vocab_picks = coupled
+        return cls(drafter)
 
     def propose(self, req: DraftRequest) -> Proposal:
         drafts, probs = self.drafter.propose(req.n, req.lengths, req.max_len, req.pick)   # [n, g]
         draft_len = torch.full((req.n,), req.max_len, dtype=torch.long, device=drafts.device)
         return Proposal(drafts, draft_len, probs)
+
+    def probe(self, rows: int, depth: int, ctx: int):
+        """One step's drafting at context `ctx`: every head's fill over the depth + 1 tokens a
+        step accepts at most, then `depth` drafts with their logits (greedy picks), as a
+        generate call runs it. Needs rows <= the slots and ctx + depth < the capacity built for."""
+        d = self.drafter
+        dev, q = d.carry.device, depth + 1
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, d.heads[0].vocab_size, (rows, q), generator=gen).to(dev)      # [rows, q]
+        hidden = torch.zeros(rows, q, d.carry.shape[-1], dtype=d.carry.dtype, device=dev)       # [rows, q, H]
+        fill = PendingFill(torch.arange(rows, device=dev), torch.full((rows,), max(ctx - q, 0), device=dev),
+                           hidden, tokens, torch.full((rows,), q, device=dev))
+        lengths = torch.full((rows,), ctx, device=dev)
+
+        def run():
+            d.add_pending(fill)
+            return d.propose(rows, lengths, depth, lambda logits, _: (logits.argmax(-1), None))
+        return run
 
     def after_prefill(self, slots, hidden, ids, lens, first) -> None:
         idx = torch.arange(len(lens), device=lens.device)

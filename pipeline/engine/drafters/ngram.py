@@ -1,18 +1,25 @@
 """N-gram (suffix) drafting: the tokens that followed the row's newest n-gram the last time it
 occurred, in the row's own prompt and output, else in the task's recent outputs (TaskIndex).
 Free of model cost; each proposal is deterministic (q one-hot), and its length comes from the
-match (what followed it, up to max_len). Host cost is a few dict operations per row per step:
-each row's index grows only by the tokens it emitted since it last drafted.
+match (what followed it, up to max_len). Host cost is a few dict operations per row per step
+(each row's index grows only by the tokens it emitted since it last drafted); the source times
+it (Proposal.seconds), which the cost model prices per row.
 """
 from __future__ import annotations
+
+import random
+import time
 
 import torch
 
 from pipeline.engine.drafters.base import DraftRequest, Proposal
 from pipeline.engine.drafters.task_index import TaskIndex
+from pipeline.engine.rows import Row
 from pipeline.spec_decode.acceptance import PAD
 
 MAX_ORDER = 3            # longest suffix matched in a row's own tokens
+PROBE_VOCAB = 64         # a probe's made-up tokens: few enough that short n-grams recur, as in text
+PROBE_TOKENS = 64        # ... and at most this many per row (a lookup's cost does not grow with the context)
 
 
 class RowIndex:
@@ -53,12 +60,15 @@ class NgramSource:
     name = "ngram"
     deterministic = True
     needs_hidden = False
+    cost_per = "row"
 
     def __init__(self, task_index: TaskIndex | None, device):
         self.task, self.device = task_index, device
         self.rows: dict[int, RowIndex] = {}          # Row.index -> its index
 
     def propose(self, req: DraftRequest) -> Proposal:
+        """Every row's match, timed (host work only: Proposal.seconds, the cost model's lookup)."""
+        t0 = time.perf_counter()
         k = req.max_len
         drafts = [[PAD] * k for _ in range(req.n)]
         lens, match = [0] * req.n, [0] * req.n
@@ -74,7 +84,23 @@ class NgramSource:
                 drafts[i][:len(got)] = got
                 lens[i], match[i] = len(got), m
         return Proposal(torch.tensor(drafts, dtype=torch.long, device=self.device).view(req.n, k),
-                        torch.tensor(lens, dtype=torch.long, device=self.device), None, match)
+                        torch.tensor(lens, dtype=torch.long, device=self.device), None, match,
+                        time.perf_counter() - t0)
+
+    def probe(self, rows: int, depth: int, ctx: int):
+        """A lookup for `rows` made-up rows (indexed before the first call), each one token longer
+        per call: a step's work, the new token indexed and then the match."""
+        rng = random.Random(0)
+        width = max(1, min(ctx, PROBE_TOKENS))
+        fake = [Row(-1 - i, [rng.randrange(PROBE_VOCAB) for _ in range(width)], 0, None) for i in range(rows)]
+        req = DraftRequest(rows, torch.full((rows,), ctx, device=self.device), depth, None, fake)
+        self.propose(req)
+
+        def run():
+            for row in fake:
+                row.tokens.append(rng.randrange(PROBE_VOCAB))
+            return self.propose(req)
+        return run
 
     def after_prefill(self, slots, hidden, ids, lens, first) -> None:
         pass
