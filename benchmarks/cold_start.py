@@ -6,7 +6,10 @@ any calibration and the decoding all count, as a new user sees them. The fixed g
 once more, are timed on a warmed engine (so fresh auto / warm auto is what cold start costs). Reps alternate the systems so that machine noise hits all alike; ratios are
 of medians within the run.
 
-    python benchmarks/cold_start.py --prompts 4 --reps 3 [--no-cache] [--no-prior] [--draft mtp]
+    python benchmarks/cold_start.py --prompts 4 --reps 3 [--no-cache] [--no-prior] [--draft mtp] [--transformers]
+
+`--transformers` also times transformers `generate()` on the same prompts, one at a time (greedy,
+the same EOS), as a whole call like the engine's: the baseline a new user would compare against.
 
 `--draft` is passed to every call (default mtp: the heads' gamma policy, which the profile and
 calibration steer). With `auto` or `ngram` the warm engine's n-gram index holds the outputs of
@@ -40,6 +43,25 @@ def timed(engine, prompts, params, gamma, draft="mtp") -> tuple[float, int]:
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
 
 
+def hf_timer(path: str, engine):
+    """A timed transformers generate() over the prompts at batch 1, greedy (same tokens as the engine)."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              trust_remote_code=False).eval()
+    eos = list(engine.config.eos_token_ids or ()) or None
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else (eos or [0])[0]
+
+    def timed_hf(prompts, params) -> tuple[float, int]:
+        t0, n = time.perf_counter(), 0
+        for prompt in prompts:
+            ids = torch.tensor([engine.tokenizer(prompt)["input_ids"]])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=pad)
+            n += out.shape[1] - ids.shape[1]
+        return time.perf_counter() - t0, n
+    return timed_hf
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(DEMO / "model"))
@@ -51,6 +73,7 @@ def main() -> None:
     ap.add_argument("--no-cache", action="store_true", help="a cold profile on every fresh engine")
     ap.add_argument("--no-prior", action="store_true", help="ignore the checkpoint's spec_prior.json")
     ap.add_argument("--draft", default="mtp", help="draft= of every call (module docstring)")
+    ap.add_argument("--transformers", action="store_true", help="also time transformers generate() (docstring)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from pipeline.engine import Engine, SamplingParams
@@ -62,6 +85,9 @@ def main() -> None:
     gammas = [int(g) for g in args.gammas.split(",")]
     warm = Engine.from_pretrained(args.model, device="cpu", dtype="float32", max_batch_size=1)
     warm.generate(prompts[:1], SamplingParams(max_new_tokens=8), gamma=0)
+    timed_hf = hf_timer(args.model, warm) if args.transformers else None
+    if timed_hf is not None:
+        timed_hf(prompts[:1], SamplingParams(max_new_tokens=8))
     times: dict[str, list[float]] = {}
     tokens = {}
     for rep in range(args.reps):
@@ -83,6 +109,9 @@ def main() -> None:
         for g in gammas:
             s, n = timed(warm, prompts, params, g, args.draft)
             times.setdefault(f"gamma={g}", []).append(s)
+        if timed_hf is not None:
+            s, n = timed_hf(prompts, params)
+            times.setdefault("transformers generate()", []).append(s)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = min((k for k in med if k.startswith("gamma=")), key=med.get)
     print(f"\nmodel {args.model}, {args.prompts} {args.task} prompts at batch 1, "
@@ -92,7 +121,7 @@ def main() -> None:
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {med['gamma=0'] / v:.2f} | {med[best] / v:.2f} |")
     auto = times["auto (fresh engine, first call)"]
-    for other in (best, "gamma=0", "auto (warm engine)"):
+    for other in (best, "gamma=0", "auto (warm engine)") + (("transformers generate()",) if timed_hf else ()):
         paired = [b / a for a, b in zip(auto, times[other])]
         print(f"paired per rep, fresh auto vs {other}: median {statistics.median(paired):.2f} "
               f"(min {min(paired):.2f}, max {max(paired):.2f})")
