@@ -84,3 +84,14 @@ def test_a_small_first_call_with_no_profile_anywhere_measures_on_its_own_steps(s
     big = Engine.from_pretrained(with_prior, device="cpu", max_batch_size=16, gamma_max=4)
     big.generate(random_prompts([5] * 16, 128, seed=5), SamplingParams(max_new_tokens=4), gamma="auto")
     assert big.costs.profiles_taken == 1 and calls              # a call of 16 rows is profiled
+
+
+def test_the_profile_cache_is_keyed_by_the_step_code(shipped, monkeypatch):
+    """A profile measured by other engine code is not reused: the key holds a hash of the step's source."""
+    import pipeline.engine.warm_start as ws
+    bare, _ = shipped
+    engine = Engine.from_pretrained(bare, device="cpu", max_batch_size=1, gamma_max=2)
+    key = ws.profile_key(engine, 128)
+    assert key == ws.profile_key(engine, 128) and len(ws.code_fingerprint()) == 24
+    monkeypatch.setattr(ws, "code_fingerprint", lambda: "an older engine")
+    assert ws.profile_key(engine, 128) != key

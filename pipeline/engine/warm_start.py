@@ -5,7 +5,9 @@ The profile depends on the device, the checkpoint, the dtype, torch's thread cou
 shapes profiled (gamma_max, context), so those key the cache, which holds each batch size's
 records as they are measured (an engine profiles only the batch sizes its calls reach); the checkpoint
 enters as a fingerprint of its config and weight files (names, sizes and their first 64 KiB),
-so a retrained checkpoint in the same directory is profiled again. The cache lives under
+so a retrained checkpoint in the same directory is profiled again, and so does the code that
+runs the step (`code_fingerprint`): a profile measured by an older engine prices steps that no
+longer exist. The cache lives under
 `$SPECBATCH_CACHE/profiles` (default `~/.cache/specbatch/profiles`); a file that cannot be
 read or written only costs a fresh profile. Only the first profile of an engine is taken from
 the cache: a re-profile (the tracker found the old one stale) is measured, and replaces it.
@@ -17,6 +19,7 @@ import json
 import os
 import platform
 from dataclasses import asdict
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -61,6 +64,22 @@ def checkpoint_fingerprint(path) -> str:
     return h.hexdigest()[:24]
 
 
+STEP_CODE = ("model", "engine", "spec_decode/cost.py")    # under pipeline/: what a profile times
+
+
+@lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of the source files that run a step (STEP_CODE), once per process."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for part in STEP_CODE:
+        p = root / part
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:24]
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
@@ -73,7 +92,7 @@ def profile_key(engine, context_len: int) -> str | None:
     if path is None or not Path(path).is_dir():
         return None
     parts = [device_name(engine.device), str(engine.dtype), str(torch.get_num_threads()),
-             str(engine.gamma_max), str(context_len), checkpoint_fingerprint(path)]
+             str(engine.gamma_max), str(context_len), checkpoint_fingerprint(path), code_fingerprint()]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
