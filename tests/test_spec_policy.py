@@ -207,9 +207,31 @@ def test_plain_decoding_is_measured_at_a_shape_before_speculating_there():
         assert policy.decisions[-1].measuring and f"({i}/{MIN_LOCAL} steps)" in policy.decisions[-1].reason
         local.add(StepRecord(0, 2, 1, 100, ROOFLINE.modelled_step_s(2, 0, 100), 0.0, 2), measured)
     assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == want.gamma
-    # another context octave is another shape; a constructed model without local steps never waits
+    # the next context octave (a row decoding on) borrows that fresh price; two octaves on is
+    # another shape; a constructed model without local steps never waits
+    assert policy.choose(StepContext(rows=2, context_len=150, stats=SpecStats())) == want.gamma
+    assert not policy.decisions[-1].measuring
     assert policy.choose(StepContext(rows=2, context_len=400, stats=SpecStats())) == 0
     assert GoodputPolicy(GMAX, lambda: ROOFLINE, prior).choose(StepContext(2, 400, SpecStats())) > 0
+
+
+def test_a_borrowed_plain_price_ages_like_a_measured_one():
+    """The next octave borrows gamma 0's price only while it is younger than the re-measure
+    schedule allows at the predicted gap; older, plain decoding is measured there first."""
+    local = LocalCorrection()
+    measured = replace(ROOFLINE, local=local)
+    prior = SpecStats()
+    prior.reached, prior.accepted = [1000] * GMAX, [800] * GMAX
+    policy = GoodputPolicy(GMAX, lambda: measured, prior)
+    _timed_steps(local, measured, 0, 1e3 * ROOFLINE.modelled_step_s(2, 0, 100), MIN_LOCAL, rows=2, ctx=100)
+    assert policy.choose(StepContext(rows=2, context_len=150, stats=SpecStats())) > 0
+    d = policy.decisions[-1]
+    due = MIN_LOCAL * (d.predicted_goodput[d.gamma] / d.predicted_goodput[0] - 1) / policy.remeasure_share
+    _timed_steps(local, measured, 3, 1e3 * ROOFLINE.modelled_step_s(2, 3, 400), int(due) + 1, rows=2, ctx=400)
+    assert local.nearby_age(0, 2, 150) > due
+    policy = GoodputPolicy(GMAX, lambda: measured, prior)            # decides afresh
+    assert policy.choose(StepContext(rows=2, context_len=150, stats=SpecStats())) == 0
+    assert policy.decisions[-1].measuring and "measuring plain decoding at this shape first" in policy.decisions[-1].reason
 
 
 def test_rows_near_their_token_budget_cap_the_expected_tokens():

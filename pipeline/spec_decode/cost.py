@@ -195,6 +195,14 @@ class LocalCorrection:
         last = self.last.get(self.key(gamma, rows, ctx))
         return None if last is None else self.clock - last
 
+    def nearby_age(self, gamma: int, rows: int, ctx: float) -> int | None:
+        """For a bucket with no steps of its own: the age of the newest priced bucket (MIN_LOCAL
+        steps) of the same gamma and rows one context octave away, whose factor it borrows (a
+        row's context grows into the next octave as it decodes); None if there is none."""
+        g, rb, cb = self.key(gamma, rows, ctx)
+        ages = [self.clock - self.last[k] for k in ((g, rb, cb - 1), (g, rb, cb + 1)) if k in self.factors]
+        return min(ages, default=None)
+
     def visit_steps(self, gamma: int, rows: int, ctx: float) -> int:
         """Steps at this bucket since it was last revisited after REVISIT_STEPS elsewhere."""
         return self.visit.get(self.key(gamma, rows, ctx), 0)

@@ -20,8 +20,10 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
 - Plain decoding priced by its own steps: where a speculative gamma would be chosen but the cost
   model's local correction holds fewer than MIN_LOCAL gamma-0 steps at this (rows, context)
   bucket, or they are older than MIN_LOCAL * gap / `remeasure_share` engine steps (gap: how far
-  gamma 0 is predicted behind), gamma 0 runs instead, marked `measuring`. A speculative gamma is
-  not re-measured while at gamma 0: a mispriced one only delays a gain.
+  gamma 0 is predicted behind), gamma 0 runs instead, marked `measuring`. A bucket with no
+  gamma-0 steps of its own next to one priced within that age (one context octave away: a row
+  decodes into the next octave) borrows that price rather than measuring again. A speculative
+  gamma is not re-measured while at gamma 0: a mispriced one only delays a gain.
 - No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
   takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, the
   three shapes the model is then fitted from.
@@ -172,14 +174,17 @@ class GoodputPolicy:
         if d.gamma == 0:
             return d
         n = local.count(0, rows, ctx)
+        gap = max(d.predicted_goodput[d.gamma] / max(d.predicted_goodput[0], 1e-12) - 1, self.min_gain)
+        due = MIN_LOCAL * gap / self.remeasure_share           # steps a gamma-0 price may age at this gap
+        if n == 0 and (near := local.nearby_age(0, rows, ctx)) is not None and near <= due:
+            return d                                           # priced by the next octave's plain steps
         if n < MIN_LOCAL:
             return Decision(0, f"rows={rows}: measuring plain decoding at this shape first ({n}/{MIN_LOCAL} steps) "
                                f"before speculating; then: {d.reason}",
                             d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
         age, visit = local.age(0, rows, ctx), local.visit_steps(0, rows, ctx)
         ongoing = visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
-        gap = max(d.predicted_goodput[d.gamma] / max(d.predicted_goodput[0], 1e-12) - 1, self.min_gain)
-        if ongoing or age > MIN_LOCAL * gap / self.remeasure_share:
+        if ongoing or age > due:
             return Decision(0, f"rows={rows}: re-measuring plain decoding at this shape (last run here {age} steps "
                                f"ago, predicted {gap:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
                                f"then: {d.reason}",
