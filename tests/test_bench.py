@@ -147,3 +147,25 @@ def test_cold_start_script_times_a_fresh_engine_against_fixed_gammas(tmp_path):
     for row in ("| auto (fresh engine, first call) |", "| auto (warm engine) |", "| gamma=0 |", "| gamma=1 |",
                 "| transformers generate() |", "fresh auto vs transformers generate()"):
         assert row in proc.stdout, proc.stdout
+
+
+def test_gamma_policy_calls_draft_with_the_heads_alone(tmp_path, monkeypatch):
+    """The gamma-policy benchmark repeats the same prompts; with n-grams on, auto would draft
+    each answer from the previous call's copy of it. Every call it makes is draft="mtp"."""
+    from pipeline.bench import gamma_policy as gp
+    from pipeline.engine import Engine, SamplingParams
+    from pipeline.spec_decode.stats import SpecStats
+    from tests.tiny_models import random_prompts
+
+    seen = []
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: seen.append(k.get("draft")) or real(self, *a, **k))
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2, gamma_max=2)
+    prompts = random_prompts([4, 6], 128, seed=1)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    spec = gp.GammaPolicySpec(model_path=str(path), data_path="", max_warmups=1)
+    cell = gp.Cell("t", 2, prompts, gp.warm_up(engine, spec, prompts, params))
+    for system in ("auto", 1, gp.CONTROL):
+        gp.time_call(engine, cell, system, params)
+    assert seen and set(seen) == {"mtp"}

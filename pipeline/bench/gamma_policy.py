@@ -8,6 +8,9 @@ warm-up runs of the task, repeated until the policy's calibration is done. Repet
 interleaved (pipeline.bench.repeat); ratios are of medians and paired. control / gamma 0 is
 what two identical systems measure apart on this machine, the noise floor auto / gamma 0 is read
 against; the control runs next to auto, so auto / control compares neighbours in the run order.
+Every call drafts with the heads alone (`draft="mtp"`): the same prompts run again and again
+here, so an n-gram index would draft each call's answers from the previous call's (the draft
+sources have their own benchmark, benchmarks/draft_sources.py, which resets the index).
 Entry: benchmarks/gamma_policy.py.
 """
 from __future__ import annotations
@@ -78,7 +81,7 @@ def warm_up(engine: Engine, spec: GammaPolicySpec, prompts: list[str], params: S
     prior = SpecStats()
     for _ in range(spec.max_warmups):
         warm = engine.auto_policy(prior=prior)
-        engine.generate(prompts, params, gamma=warm)
+        engine.generate(prompts, params, gamma=warm, draft="mtp")
         prior = prior.merge(engine.last_stats.counts())
         if prior.reached and prior.reached[0] >= warm.calibration_rows:
             break
@@ -101,7 +104,7 @@ def time_call(engine: Engine, cell: Cell, system, params: SamplingParams) -> Non
     before = (costs.profiles_taken, costs.fits, costs.fit_seconds)
     gamma = engine.auto_policy(prior=cell.prior) if system == "auto" else 0 if system == CONTROL else system
     t0 = time.perf_counter()
-    outs = engine.generate(cell.prompts, params, gamma=gamma)
+    outs = engine.generate(cell.prompts, params, gamma=gamma, draft="mtp")
     dt = time.perf_counter() - t0
     steps = engine.last_stats.steps
     cell.times.setdefault(system, []).append(sum(len(o.token_ids) for o in outs) / dt)
