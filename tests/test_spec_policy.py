@@ -319,13 +319,29 @@ def test_revisited_bucket_keeps_only_a_few_old_steps():
     assert local.age(0, 1, 100) == 0 and local.age(1, 1, 100) == MIN_LOCAL
 
 
-def test_at_gamma_0_no_speculative_gamma_is_run_to_measure_it():
-    """Plain decoding is what cannot fall below gamma 0: however old the speculative prices, the
-    policy at gamma 0 runs no speculative step to check them."""
+def test_at_gamma_0_a_speculative_price_is_re_measured_within_its_budget():
+    """A speculative gamma priced in a slow spell would keep the policy at gamma 0 for good: at
+    gamma 0 the best speculative gamma is re-measured, MIN_LOCAL steps at a time, no more often
+    than the remeasure budget allows at its predicted loss; once measured at its real cost it
+    takes over."""
     local, measured, policy = _spell_setup()
     _timed_steps(local, measured, 0, 10.0, 16)                # gamma 0 re-measured: now the choice
+    _timed_steps(local, measured, 1, 40.0, 16)                # gamma 1 priced in a slow spell
     ctx = StepContext(rows=1, context_len=100, stats=SpecStats())
-    for _ in range(3000):
-        assert policy.choose(ctx) == 0
-        _timed_steps(local, measured, 0, 10.0, 1)
-    assert local.age(1, 1, 100) > 3000 and not any(d.measuring for d in policy.decisions)
+    steps = spec = 0
+    while steps < 3000:
+        g = policy.choose(ctx)
+        if g == 0:
+            _timed_steps(local, measured, 0, 10.0, 1)
+        else:
+            spec += 1
+            assert policy.decisions[-1].measuring or spec > MIN_LOCAL
+            _timed_steps(local, measured, 1, 11.0, 1)         # gamma 1 really costs 11 ms (1.3 tokens)
+        steps += 1
+        if spec > MIN_LOCAL:
+            break
+    d = next(d for d in policy.decisions if d.measuring)
+    loss = 1 - d.predicted_goodput[1] / d.predicted_goodput[0]
+    assert "re-measuring gamma 1" in d.reason and loss > 0
+    assert steps >= MIN_LOCAL * loss / policy.remeasure_share - MIN_LOCAL     # not before its budget
+    assert spec > MIN_LOCAL and policy.choose(ctx) > 0 and not policy.decisions[-1].measuring   # speculating

@@ -22,8 +22,12 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   bucket, or they are older than MIN_LOCAL * gap / `remeasure_share` engine steps (gap: how far
   gamma 0 is predicted behind), gamma 0 runs instead, marked `measuring`. A bucket with no
   gamma-0 steps of its own next to one priced within that age (one context octave away: a row
-  decodes into the next octave) borrows that price rather than measuring again. A speculative
-  gamma is not re-measured while at gamma 0: a mispriced one only delays a gain.
+  decodes into the next octave) borrows that price rather than measuring again.
+- Speculation priced by its own steps, on the same budget: at gamma 0, the best speculative
+  gamma of those run at this bucket runs MIN_LOCAL steps (marked `measuring`) once its steps at this bucket are older than
+  MIN_LOCAL * loss / `remeasure_share` engine steps (loss: how far it is predicted behind, at
+  least `min_gain`). A price taken in a slow spell would otherwise keep a call at gamma 0 for
+  good; the check costs at most `remeasure_share` of the steps, scaled by the predicted loss.
 - No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
   takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, the
   three shapes the model is then fitted from.
@@ -165,6 +169,7 @@ class GoodputPolicy:
         d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart)
         if model.local is not None:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
+            d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len)
         return self._record(d)
 
     def _measure_runner_up(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
@@ -189,6 +194,26 @@ class GoodputPolicy:
                                f"ago, predicted {gap:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
                                f"then: {d.reason}",
                             d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
+        return d
+
+    def _measure_speculation(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
+        """Where `d` is plain decoding by prediction, run the best speculative gamma instead once
+        its price at this shape is older than the budget allows (module docstring)."""
+        goodput = d.predicted_goodput
+        if d.gamma != 0 or d.measuring or len(goodput) < 2 or goodput[0] <= 0:
+            return d
+        ran = [k for k in range(1, len(goodput)) if local.age(k, rows, ctx) is not None]
+        if not ran:
+            return d                       # none run at this shape: their prices are borrowed, not stale
+        g = max(ran, key=lambda k: (goodput[k], -k))
+        loss = max(1 - goodput[g] / goodput[0], self.min_gain)
+        age, visit = local.age(g, rows, ctx), local.visit_steps(g, rows, ctx)
+        ongoing = visit < MIN_LOCAL and age <= REVISIT_STEPS
+        if ongoing or age > MIN_LOCAL * loss / self.remeasure_share:
+            return Decision(g, f"rows={rows}: re-measuring gamma {g} at this shape (last run here {age} steps ago, "
+                               f"predicted {loss:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
+                               f"then: {d.reason}",
+                            d.candidates, goodput, d.acceptance, measuring=True)
         return d
 
     def _record(self, d: Decision) -> int:
