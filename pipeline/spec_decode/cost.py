@@ -37,7 +37,8 @@ gamma at the nearest context first, else the nearest gamma). These are kept per 
 from the fit window, so a shape measured once stays measured. Prices age on a shared machine:
 each bucket counts the engine's steps since it last ran (`age`, used by the policy to re-measure
 gamma 0), and a bucket run again after REVISIT_STEPS steps elsewhere keeps only its newest
-MIN_LOCAL - 1 old steps, so MIN_LOCAL new steps set its price. Measurements behind this design: docs/decisions.md (2026-11-29).
+MIN_LOCAL - 1 old steps, so MIN_LOCAL new steps set its price. Measurements behind this design:
+docs/decisions.md (2026-11-29).
 """
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   gamma-0 steps of its own next to one priced within that age (one context octave away: a row
   decodes into the next octave) borrows that price rather than measuring again.
 - Speculation priced by its own steps, on the same budget: at gamma 0, the best speculative
-  gamma of those run at this bucket runs MIN_LOCAL steps (marked `measuring`) once its steps at this bucket are older than
-  MIN_LOCAL * loss / `remeasure_share` engine steps (loss: how far it is predicted behind, at
-  least `min_gain`). A price taken in a slow spell would otherwise keep a call at gamma 0 for
+  gamma of those run at this bucket runs MIN_LOCAL steps (marked `measuring`) once its steps
+  there are older than MIN_LOCAL * loss / `remeasure_share` engine steps (loss: how far it is
+  predicted behind, at least `min_gain`). A price taken in a slow spell would otherwise keep a call at gamma 0 for
   good; the check costs at most `remeasure_share` of the steps, scaled by the predicted loss.
 - No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
   takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, the
@@ -187,14 +187,7 @@ class GoodputPolicy:
             return Decision(0, f"rows={rows}: measuring plain decoding at this shape first ({n}/{MIN_LOCAL} steps) "
                                f"before speculating; then: {d.reason}",
                             d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
-        age, visit = local.age(0, rows, ctx), local.visit_steps(0, rows, ctx)
-        ongoing = visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
-        if ongoing or age > due:
-            return Decision(0, f"rows={rows}: re-measuring plain decoding at this shape (last run here {age} steps "
-                               f"ago, predicted {gap:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
-                               f"then: {d.reason}",
-                            d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
-        return d
+        return _remeasured(d, 0, "plain decoding", gap, local, rows, ctx, self.remeasure_share) or d
 
     def _measure_speculation(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
         """Where `d` is plain decoding by prediction, run the best speculative gamma instead once
@@ -207,18 +200,26 @@ class GoodputPolicy:
             return d                       # none run at this shape: their prices are borrowed, not stale
         g = max(ran, key=lambda k: (goodput[k], -k))
         loss = max(1 - goodput[g] / goodput[0], self.min_gain)
-        age, visit = local.age(g, rows, ctx), local.visit_steps(g, rows, ctx)
-        ongoing = visit < MIN_LOCAL and age <= REVISIT_STEPS
-        if ongoing or age > MIN_LOCAL * loss / self.remeasure_share:
-            return Decision(g, f"rows={rows}: re-measuring gamma {g} at this shape (last run here {age} steps ago, "
-                               f"predicted {loss:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
-                               f"then: {d.reason}",
-                            d.candidates, goodput, d.acceptance, measuring=True)
-        return d
+        return _remeasured(d, g, f"gamma {g}", loss, local, rows, ctx, self.remeasure_share) or d
 
     def _record(self, d: Decision) -> int:
         self.decisions.append(d)
         return d.gamma
+
+
+def _remeasured(d: Decision, gamma: int, what: str, gap: float, local: LocalCorrection, rows: int, ctx: float,
+                share: float) -> Decision | None:
+    """`gamma` run instead of `d`, marked measuring, while a re-measure of its price at this shape
+    is under way or due: its steps here are older than MIN_LOCAL * gap / share engine steps (gap:
+    how far it is predicted behind). None when its price stands."""
+    age, visit = local.age(gamma, rows, ctx), local.visit_steps(gamma, rows, ctx)
+    ongoing = visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
+    if not ongoing and age <= MIN_LOCAL * gap / share:
+        return None
+    return Decision(gamma, f"rows={rows}: re-measuring {what} at this shape (last run here {age} steps ago, "
+                           f"predicted {gap:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
+                           f"then: {d.reason}",
+                    d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
 
 
 EXPLORE_GAMMAS = (0, 1, 2)   # the shapes (gamma + 1 verify tokens) a cost model needs before it can be fitted
