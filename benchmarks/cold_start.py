@@ -8,6 +8,10 @@ of medians within the run.
 
     python benchmarks/cold_start.py --prompts 4 --reps 3 [--no-cache] [--no-prior] [--draft mtp] [--transformers]
 
+`--fresh-gammas 2,3` also times a fresh engine's first call at each of those fixed gammas: the
+cold engine costs (first forwards at each shape) that every system's first call pays, so fresh
+auto / best fresh fixed is what the policy's cold start costs on its own.
+
 `--transformers` also times transformers `generate()` on the same prompts, one at a time (greedy,
 the same EOS), as a whole call like the engine's: the baseline a new user would compare against.
 
@@ -70,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gammas", default="0,1,2,3,4,5")
+    ap.add_argument("--fresh-gammas", default="", help="also time a fresh engine's first call at these fixed gammas")
     ap.add_argument("--no-cache", action="store_true", help="a cold profile on every fresh engine")
     ap.add_argument("--no-prior", action="store_true", help="ignore the checkpoint's spec_prior.json")
     ap.add_argument("--draft", default="mtp", help="draft= of every call (module docstring)")
@@ -83,6 +88,7 @@ def main() -> None:
     prompts = demo_prompts(args.prompts, args.task)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     gammas = [int(g) for g in args.gammas.split(",")]
+    fresh_gammas = [int(g) for g in args.fresh_gammas.split(",")] if args.fresh_gammas else []
     warm = Engine.from_pretrained(args.model, device="cpu", dtype="float32", max_batch_size=1)
     warm.generate(prompts[:1], SamplingParams(max_new_tokens=8), gamma=0)
     timed_hf = hf_timer(args.model, warm) if args.transformers else None
@@ -104,6 +110,10 @@ def main() -> None:
         print(f"rep {rep}: fresh auto {s:.2f}s, {n} tokens, {calib} calibration steps, "
               f"profiles {fresh.costs.profiles_taken} (cached {getattr(fresh.costs, 'profile_cached', '?')})",
               flush=True)
+        for g in fresh_gammas:        # the same cold engine, at a fixed gamma: what any system's first call pays
+            cold = Engine.from_pretrained(args.model, device="cpu", dtype="float32", max_batch_size=1)
+            s, n = timed(cold, prompts, params, g, args.draft)
+            times.setdefault(f"gamma={g} (fresh engine, first call)", []).append(s)
         s, n = timed(warm, prompts, params, "auto", args.draft)
         times.setdefault("auto (warm engine)", []).append(s)
         for g in gammas:
@@ -113,15 +123,19 @@ def main() -> None:
             s, n = timed_hf(prompts, params)
             times.setdefault("transformers generate()", []).append(s)
     med = {k: statistics.median(v) for k, v in times.items()}
-    best = min((k for k in med if k.startswith("gamma=")), key=med.get)
+    best = min((k for k in med if k.startswith("gamma=") and "fresh" not in k), key=med.get)
+    fresh_fixed = [k for k in med if k.startswith("gamma=") and "fresh" in k]
+    best_fresh = min(fresh_fixed, key=med.get) if fresh_fixed else None
     print(f"\nmodel {args.model}, {args.prompts} {args.task} prompts at batch 1, "
           f"max_new_tokens {args.max_new_tokens}, {args.reps} reps, 1 torch thread")
-    print(f"| system | median s | speed vs gamma=0 | speed vs best fixed ({best}) |")
-    print("|---|---|---|---|")
+    ref = f" | speed vs best fresh fixed ({best_fresh})" if best_fresh else ""
+    print(f"| system | median s | speed vs gamma=0 | speed vs best fixed ({best}){ref} |")
+    print("|---|---|---|---|" + ("---|" if best_fresh else ""))
     for k, v in med.items():
-        print(f"| {k} | {v:.3f} | {med['gamma=0'] / v:.2f} | {med[best] / v:.2f} |")
+        extra = f" | {med[best_fresh] / v:.2f}" if best_fresh else ""
+        print(f"| {k} | {v:.3f} | {med['gamma=0'] / v:.2f} | {med[best] / v:.2f}{extra} |")
     auto = times["auto (fresh engine, first call)"]
-    for other in (best, "gamma=0", "auto (warm engine)") + (("transformers generate()",) if timed_hf else ()):
+    for other in (best, *([best_fresh] if best_fresh else []), "gamma=0", "auto (warm engine)") + (("transformers generate()",) if timed_hf else ()):
         paired = [b / a for a, b in zip(auto, times[other])]
         print(f"paired per rep, fresh auto vs {other}: median {statistics.median(paired):.2f} "
               f"(min {min(paired):.2f}, max {max(paired):.2f})")

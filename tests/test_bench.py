@@ -140,12 +140,13 @@ def test_cold_start_script_times_a_fresh_engine_against_fixed_gammas(tmp_path):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "cold_start.py"), "--prompts", "2",
                            "--reps", "1", "--max-new-tokens", "4", "--gammas", "0,1", "--no-cache",
-                           "--transformers"],
+                           "--transformers", "--fresh-gammas", "1"],
                           capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rep 0: fresh auto" in proc.stdout and "profiles 0" in proc.stdout     # no profile: explored
     for row in ("| auto (fresh engine, first call) |", "| auto (warm engine) |", "| gamma=0 |", "| gamma=1 |",
-                "| transformers generate() |", "fresh auto vs transformers generate()"):
+                "| transformers generate() |", "fresh auto vs transformers generate()",
+                "| gamma=1 (fresh engine, first call) |", "fresh auto vs gamma=1 (fresh engine, first call)"):
         assert row in proc.stdout, proc.stdout
 
 
