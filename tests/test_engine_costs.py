@@ -154,25 +154,3 @@ def test_local_correction_is_kept_per_context_and_outlives_the_fit_window():
     tracker._new_work_s = float("inf")                                       # make the refit due now
     refit = tracker.model()
     assert refit is not model and refit.step_s(1, 1, 400) == pytest.approx(6e-3, rel=1e-6)
-
-
-def test_a_young_model_is_refitted_as_its_steps_double():
-    """No profile: the first fit rests on the first three steps, one per shape. A shape's first
-    step in a process can be slow (here gamma 1's, 1.6x); refits as the steps double (log2 of
-    them in all) let later steps set the slope that prices gammas never run (gamma 3)."""
-    truth = CostModel((3e-3, 5e-4, 0.0, 0.0), 1e9, (5e-4, 1e-3, 1.5e-3, 0.0), 0, multi_token_s=2e-4)
-
-    def step(g, slow=1.0):
-        return StepRecord(g, 1, g + 1, 40, truth.verify_s(1, g + 1, 40) * slow, truth.draft_s(1, g, 40) * slow, 1 + g, 0.0)
-
-    tracker = CostTracker()
-    first = None
-    for i, s in enumerate([step(0), step(1, slow=1.6), step(2)] + [step(g) for _ in range(5) for g in (0, 1, 2)]):
-        tracker.record(s)
-        model = tracker.model()
-        first = first or model
-    assert first is not None and model is not first
-    assert tracker.fits <= 3 + 3          # up to 3 shapes (no model yet), then doubling: 6, 12
-    true3 = truth.modelled_step_s(1, 3, 40)
-    assert abs(model.modelled_step_s(1, 3, 40) / true3 - 1) < abs(first.modelled_step_s(1, 3, 40) / true3 - 1)
-    assert abs(model.modelled_step_s(1, 3, 40) / true3 - 1) < 0.1

@@ -22,7 +22,7 @@ import statistics
 import time
 from collections import deque
 
-from pipeline.spec_decode.cost import MIN_LOCAL, CostModel, LocalCorrection, fit_cost_model, step_seconds
+from pipeline.spec_decode.cost import CostModel, LocalCorrection, fit_cost_model, step_seconds
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -46,8 +46,6 @@ class CostTracker:
         self._fit_s = 0.0                 # how long the last fit took
         self._new_steps = 0               # refining steps since the last fit ...
         self._new_work_s = 0.0            # ... and the step time they took
-        self._refining = 0                # refining steps recorded since the profile ...
-        self._fitted_on = 0               # ... and how many of them the last fit had
 
     def needs_profile(self) -> bool:
         return not self.profile or self.stale_reason is not None
@@ -61,7 +59,6 @@ class CostTracker:
         self.baseline_util, self.stale_reason = None, None
         self.profiles_taken += 1
         self._model = None
-        self._refining = self._fitted_on = 0
 
     def extend_profile(self, records: list[StepRecord]) -> None:
         """Profiled shapes added (a batch larger than any profiled before): what was measured
@@ -72,14 +69,10 @@ class CostTracker:
     def model(self) -> CostModel | None:
         """The fitted model over the profile and the recorded steps. Refitted (the online
         refinement) once `refit_every` refining steps have run and their time is at least the
-        last fit's / `refit_share`, so refitting costs at most that share of decoding; and
-        whenever the refining steps have doubled since the last fit (from MIN_LOCAL on), so a
-        young model fitted from a few steps is redone as they grow, log2(steps) fits in all (a
-        short first call's fit would otherwise rest on its first three steps). The local
-        correction follows every step in between, so the smooth model only prices shapes not
-        yet run."""
+        last fit's / `refit_share`, so refitting costs at most that share of decoding; the local
+        correction follows every step in between, so the smooth model only prices shapes not yet
+        run."""
         due = self._new_steps >= self.refit_every and self._new_work_s * self.refit_share >= self._fit_s
-        due = due or self._refining >= max(2 * self._fitted_on, MIN_LOCAL)
         if self._model is None or due:
             t0 = time.perf_counter()
             self._model = fit_cost_model(list(self.steps)[-self.fit_steps:], profile=self.profile, local=self.local)
@@ -87,7 +80,6 @@ class CostTracker:
             self.fits += 1
             self.fit_seconds += self._fit_s
             self._new_steps, self._new_work_s = 0, 0.0
-            self._fitted_on = self._refining
         return self._model
 
     def record(self, step: StepRecord, refine: bool = True, by_gamma: bool = True) -> None:
@@ -100,7 +92,6 @@ class CostTracker:
         self.steps.append(step)
         if refine:
             self._new_steps += 1
-            self._refining += 1
             self._new_work_s += step.verify_s + step.draft_s
         if not by_gamma:
             return
