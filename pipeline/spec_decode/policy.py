@@ -12,8 +12,9 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
 
 - Calibration: a task with fewer than `calibration_rows` drafted row-steps runs gamma_max, which
   observes every depth at once; not where the prior stands for one (`calibrated`: a checkpoint's
-  held-out acceptance, weighed by how far its tasks differ, so this call's drafts soon outweigh it). A calibrated task that settles on gamma 0 observes no more
-  drafts, so the estimate has to span enough rows to live on.
+  held-out acceptance, weighed by how far its tasks differ, so a call's drafts soon outweigh
+  it). A calibrated task that settles on gamma 0 observes no more drafts, so the estimate has
+  to span enough rows to live on.
 - Rows priced apart (`StepContext.rows_apart`), the rest at the task's E: a row with r tokens
   left gains nothing from drafts beyond r - 1; at a shard's tail (none queued, at most
   `FEW_ROWS` active) each row's own first-draft hit rate scales the task's a_k (Beta prior of
@@ -30,8 +31,8 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   predicted behind, at least `min_gain`). A price taken in a slow spell would otherwise keep a call at gamma 0 for
   good; the check costs at most `remeasure_share` of the steps, scaled by the predicted loss.
 - No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
-  takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, MIN_LOCAL
-  each, the three shapes the model is then fitted from.
+  takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, the
+  three shapes the model is then fitted from.
 - Reuse: a decision stands for `recheck_steps` steps (`recheck_plain_steps` for gamma 0, which
   moves no acceptance estimate) while rows, cost model, context bucket and rows apart are unchanged.
 - The plan: calibration happens once per run, not per actor. The driver's plan
@@ -137,7 +138,6 @@ class GoodputPolicy:
                                         # acceptance at every depth), however few row-steps it weighs
     decisions: list[Decision] = field(default_factory=list)
     _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
-    _exploring: bool = field(default=False, repr=False)         # started with no cost model: explore's steps first
 
     def max_gamma(self) -> int:
         return self.gamma_max
@@ -168,11 +168,8 @@ class GoodputPolicy:
             return self._record(Decision(self.gamma_max, f"calibrating acceptance ({seen}/{self.calibration_rows} row-steps)",
                                          [], [], [], calibrating=True))
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
-        if model is None or self._exploring:
-            d = explore(ctx, acc, self.gamma_max)
-            self._exploring = d.measuring
-            if model is None or d.measuring:
-                return self._record(d)
+        if model is None:
+            return self._record(explore(ctx, acc, self.gamma_max))
         d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart)
         if model.local is not None:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
@@ -233,23 +230,17 @@ EXPLORE_GAMMAS = (0, 1, 2)   # the shapes (gamma + 1 verify tokens) a cost model
 
 
 def explore(ctx: StepContext, acceptance: list[float], gamma_max: int) -> Decision:
-    """No cost model yet (a small first call takes no profile: pipeline.engine.warm_start): gamma
-    0, 1, 2 in turn on real steps, MIN_LOCAL each, so the fit gets the three verify shapes it
-    needs and each shape a median (a shape's first step in a process can take 1.5x its later
-    ones, and one such step fitted alone made every deeper gamma look cheap). Every such step
-    emits tokens, unlike a profile's forwards. Once all ran and still no model (nothing fits),
-    plain decoding.
-    Example: a call's first 12 steps run gamma 0, 1, 2, 0, 1, 2, ...; then the model decides."""
-    done = {g: 0 for g in EXPLORE_GAMMAS if g <= gamma_max}
-    for s in ctx.stats.steps:
-        if s.gamma in done:
-            done[s.gamma] += 1
-    todo = [g for g, n in done.items() if n < MIN_LOCAL]
+    """No cost model yet (a small first call takes no profile: pipeline.engine.warm_start): the
+    next of gamma 0, 1, 2 this call has not run at this batch size, so its steps give the fit the
+    three verify shapes it needs; every such step emits tokens, unlike a profile's forwards.
+    Once all three ran and still no model (nothing fits), plain decoding.
+    Example: a call's first steps at 1 row run gamma 0, then 1, then 2, then the model decides."""
+    ran = {s.gamma for s in ctx.stats.steps if s.rows == ctx.rows}
+    todo = [g for g in EXPLORE_GAMMAS if g <= gamma_max and g not in ran]
     if not todo:
         return Decision(0, "no cost model could be fitted: plain decoding", [], [], acceptance)
-    g = min(todo, key=lambda k: (done[k], k))
-    return Decision(g, f"rows={ctx.rows}: no cost profile; measuring gamma {g} on a real step "
-                       f"({done[g] + 1}/{MIN_LOCAL})", [], [], acceptance, measuring=True)
+    return Decision(todo[0], f"rows={ctx.rows}: no cost profile; measuring gamma {todo[0]} on a real step",
+                    [], [], acceptance, measuring=True)
 
 
 def _add(a: list[int], b: list[int]) -> list[int]:
