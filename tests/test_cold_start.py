@@ -36,7 +36,7 @@ def test_a_fresh_engine_with_a_shipped_prior_never_calibrates(shipped):
     warm = first_auto_call(with_prior, prompts)
     decisions = warm.last_policy.decisions
     assert not any(d.calibrating for d in decisions)
-    assert warm.last_policy.prior.reached[0] >= warm.last_policy.calibration_rows
+    assert warm.last_policy.calibrated and warm.last_policy.prior.reached[0] > 0
     shapes = {LocalCorrection.key(0, s.rows, s.context_len) for s in warm.last_stats.steps}
     measuring = sum(1 for d in decisions if d.measuring)
     assert measuring <= MIN_LOCAL * len(shapes) + MIN_LOCAL        # plain decoding measured once per shape
@@ -95,3 +95,36 @@ def test_the_profile_cache_is_keyed_by_the_step_code(shipped, monkeypatch):
     assert key == ws.profile_key(engine, 128) and len(ws.code_fingerprint()) == 24
     monkeypatch.setattr(ws, "code_fingerprint", lambda: "an older engine")
     assert ws.profile_key(engine, 128) != key
+
+
+def test_a_pooled_prior_of_tasks_far_apart_is_light_and_still_skips_calibration(tmp_path):
+    """The checkpoint's "*" prior is what a call of unknown task starts from. Its tasks' a_1 differ
+    (0.5 and 0.9), so it weighs a few dozen row-steps, not its 4,000: a call whose drafts are
+    accepted at 0.9 moves the estimate there within its own steps, and still never calibrates."""
+    from pipeline.engine.warm_start import checkpoint_prior
+    from pipeline.spec_decode.evidence import PRIOR_ROW_STEPS
+    from pipeline.spec_decode.policy import GoodputPolicy, StepContext, estimate_acceptance
+    from pipeline.spec_decode.stats import SpecStats
+
+    far = tmp_path / "far"
+    far.mkdir()
+    write_spec_prior(far, {"a": ([2000, 1000], [1000, 500]), "b": ([2000, 1800], [1800, 1620])}, "constructed", 2)
+    prior = checkpoint_prior(far)
+    assert 1 <= prior.reached[0] < 32                                  # m 0.7, spread 0.04: n = 4
+    assert abs(prior.accepted[0] / prior.reached[0] - 2800 / 4000) < 1e-9   # ratios kept exactly
+    near = tmp_path / "near"
+    near.mkdir()
+    write_spec_prior(near, {"a": ([2000], [1400]), "b": ([2000], [1410])}, "constructed", 1)
+    assert checkpoint_prior(near).reached[0] == PRIOR_ROW_STEPS        # tasks that agree: a full-weight prior
+
+    own = SpecStats([40, 36], [36, 32])                               # this call: a_1 = 0.9 over 40 row-steps
+    acc = estimate_acceptance(_plus(prior.reached, own.reached), _plus(prior.accepted, own.accepted), 2)
+    heavy = estimate_acceptance([4000 + 40, 2800 + 36], [2800 + 36, 2120 + 32], 2)   # the counts at full weight
+    assert acc[0] >= 0.84 and heavy[0] < 0.71
+    policy = GoodputPolicy(2, lambda: None, prior, calibrated=True)
+    policy.choose(StepContext(rows=1, context_len=16.0, stats=SpecStats()))
+    assert not policy.decisions[-1].calibrating
+
+
+def _plus(a, b):
+    return [x + y for x, y in zip(a, b)]

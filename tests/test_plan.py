@@ -103,3 +103,13 @@ def test_a_prior_weighs_at_most_its_cap_and_keeps_its_ratios():
     assert plan.for_task("t").prior_row_steps == PRIOR_ROW_STEPS and not ev.leases    # no calibration needed
     assert plan.for_task("t").source == "checkpoint spec_prior.json"
     assert plan.unseen.prior_row_steps == PRIOR_ROW_STEPS
+
+
+def test_spread_weight_is_the_beta_size_of_the_tasks_spread():
+    """Method of moments on per-task a_1: the docstring's worked example, and its limits."""
+    from pipeline.spec_decode.plan import spread_weight
+    tasks = {"s": ([402], [218]), "c": ([1343], [776]), "j": ([500], [394])}
+    assert spread_weight(tasks, 512) == 28
+    assert spread_weight({"s": ([402], [218])}, 512) == 512                     # one task: no spread to read
+    assert spread_weight({"a": ([1000], [700]), "b": ([1000], [701])}, 512) == 512   # within count noise
+    assert spread_weight({"a": ([10**6], [10**5]), "b": ([10**6], [9 * 10**5])}, 512) == 1

@@ -127,6 +127,7 @@ class Engine:
                                calibrate=calibrate)
         if self.spec_prior is not None and (policy.prior.reached or [0])[0] < policy.calibration_rows:
             policy.prior = policy.prior.merge(self.spec_prior)
+            policy.calibrated = True      # held-out acceptance at every depth: a calibration, however light
         return policy
 
     # ---- public entry ------------------------------------------------------------------------

@@ -103,3 +103,24 @@ def scaled_counts(reached, accepted, most: int) -> tuple[tuple[int, ...], tuple[
         return tuple(reached), tuple(accepted)
     f = most / reached[0]
     return tuple(round(r * f) for r in reached), tuple(round(a * f) for a in accepted)
+
+
+def spread_weight(tasks: dict, most: int) -> int:
+    """How many row-steps the pooled acceptance of several tasks is worth as the prior of a task
+    none of them is: the effective size n of a Beta prior with their depth-1 mean m and their
+    spread v between tasks (method of moments: n = m (1 - m) / v - 1, v less the binomial
+    noise of the counts), at most `most`; `most` with fewer than two tasks (no spread to read).
+    Tasks that differ widely make a weak prior, so a call's own drafts soon outweigh it.
+    Example: a_1 of 0.54, 0.58 and 0.79 over 402, 1343 and 500 row-steps: m 0.62, v 0.0081,
+    n = 28, where the counts alone would weigh 2,245."""
+    rows = [(r[0], a[0]) for r, a in tasks.values() if r and r[0] > 0]
+    total = sum(r for r, _ in rows)
+    if len(rows) < 2 or total <= 0:
+        return most
+    m = sum(a for _, a in rows) / total
+    spread = sum(r * (a / r - m) ** 2 for r, a in rows) / total
+    noise = m * (1 - m) * len(rows) / total          # the mean binomial variance of a task's a_1
+    v = spread - noise
+    if v <= 0:
+        return most
+    return max(1, min(most, round(m * (1 - m) / v - 1)))

@@ -11,8 +11,10 @@ gamma + 1 times one and speculation loses. Speculation must predict more than `m
 gamma 0 to be chosen, since predictions carry a few percent of error.
 
 - Calibration: a task with fewer than `calibration_rows` drafted row-steps runs gamma_max, which
-  observes every depth at once. A calibrated task that settles on gamma 0 observes no more
-  drafts, so the estimate has to span enough rows to live on.
+  observes every depth at once; not where the prior stands for one (`calibrated`: a checkpoint's
+  held-out acceptance, weighed by how far its tasks differ, so a call's drafts soon outweigh
+  it). A calibrated task that settles on gamma 0 observes no more drafts, so the estimate has
+  to span enough rows to live on.
 - Rows priced apart (`StepContext.rows_apart`), the rest at the task's E: a row with r tokens
   left gains nothing from drafts beyond r - 1; at a shard's tail (none queued, at most
   `FEW_ROWS` active) each row's own first-draft hit rate scales the task's a_k (Beta prior of
@@ -132,6 +134,8 @@ class GoodputPolicy:
     remeasure_share: float = 0.005      # what re-measuring gamma 0 while speculating may cost (share of steps x gap)
     planned: int | None = None          # the driver's plan (pipeline.spec_decode.plan): run while evidence is short
     calibrate: bool = True              # False: another shard calibrates this task; do not calibrate here
+    calibrated: bool = False            # the prior stands for a calibration (a checkpoint's held-out
+                                        # acceptance at every depth), however few row-steps it weighs
     decisions: list[Decision] = field(default_factory=list)
     _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
 
@@ -156,11 +160,11 @@ class GoodputPolicy:
         seen = reached[0] if reached else 0
         if self.gamma_max == 0:
             return self._record(Decision(0, "gamma_max is 0", [0], [], []))
-        if seen < self.calibration_rows and not self.calibrate:
+        if seen < self.calibration_rows and not self.calibrated and not self.calibrate:
             g = min(self.planned or 0, self.gamma_max)
             return self._record(Decision(g, f"the plan's gamma {g}: too little evidence ({seen} row-steps) and "
                                             "calibration of this task is under way elsewhere", [], [], []))
-        if seen < self.calibration_rows:
+        if seen < self.calibration_rows and not self.calibrated:
             return self._record(Decision(self.gamma_max, f"calibrating acceptance ({seen}/{self.calibration_rows} row-steps)",
                                          [], [], [], calibrating=True))
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
