@@ -133,15 +133,17 @@ def test_auto_policy_sees_rows_near_their_budget_and_each_row_when_few(root):
         assert all(hits <= drafted for _, drafted, hits in apart)
     assert any(apart and rows > FEW_ROWS for rows, apart in seen)
     assert any(drafted > 0 for _, apart in seen for _, drafted, _ in apart)
-    # one row at a time: a row is priced on its own only near its budget or as the last one
+
+    # one row at a time: a small batch (at most FEW_ROWS slots) has no tail, since its last prompt
+    # runs with nothing queued all its length, and two early misses priced on its own would put
+    # it at gamma 0 for good; a row is priced on its own only near its budget, the last one too
     seen.clear()
     engine.max_batch_size = 1
     engine.generate(prompts[:3], SamplingParams(max_new_tokens=10, ignore_eos=True), gamma=policy)
     assert len(seen) >= 3 and all(rows == 1 for rows, _ in seen)
     assert seen[0] == (1, ())                           # the first row, two more queued: typical
-    far = [i for i, (_, apart) in enumerate(seen) for left, _, _ in apart if left == 4]   # gamma_max + 1: not near
-    typical = [i for i, (_, apart) in enumerate(seen) if not apart]
-    assert far and typical and min(far) > max(typical)   # apart while far from its budget: only the last row
+    assert any(apart for _, apart in seen)              # near its budget: apart
+    assert all(1 <= left <= 3 for _, apart in seen for left, _, _ in apart)   # never while far (left 4)
 
 
 @pytest.mark.parametrize("gamma", [0, 2])

@@ -17,8 +17,8 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   to span enough rows to live on.
 - Rows priced apart (`StepContext.rows_apart`), the rest at the task's E: a row with r tokens
   left gains nothing from drafts beyond r - 1; at a shard's tail (none queued, at most
-  `FEW_ROWS` active) each row's own first-draft hit rate scales the task's a_k (Beta prior of
-  weight `ROW_PRIOR`). This is the one way gamma drops as a batch shrinks.
+  `FEW_ROWS` active of a batch that had more) each row's own first-draft hit rate scales the
+  task's a_k (Beta prior of weight `ROW_PRIOR`). This is the one way gamma drops as a batch shrinks.
 - Plain decoding priced by its own steps: where a speculative gamma would be chosen but the cost
   model's local correction holds fewer than MIN_LOCAL gamma-0 steps at this (rows, context)
   bucket, or they are older than MIN_LOCAL * gap / `remeasure_share` engine steps (gap: how far
