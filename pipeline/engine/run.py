@@ -200,7 +200,7 @@ class GenerateRun:
         left), else those within gamma_max tokens of their budget. Not every row of a small batch
         (at most FEW_ROWS slots, e.g. batch 1, where the last prompt is a tail all its length): a
         fresh row is a typical one, and a row priced down to gamma 0 after two misses would draft
-        no more and never be priced up (measured: 24-27 of 57 steps at gamma 0 on json at batch 1)."""
+        no more and never be priced up (docs/decisions.md, 2026-12-02)."""
         if not self.refine or not self.mtp_cap:
             return ()
         cap, few = self.mtp_cap, n <= FEW_ROWS and not self.queue and len(self.slots.rows) > FEW_ROWS

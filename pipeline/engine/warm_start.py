@@ -27,7 +27,7 @@ import torch
 from pipeline.engine.profile import profile_costs, rows_grid
 from pipeline.model.spec_prior import read_spec_prior
 from pipeline.spec_decode.evidence import PRIOR_ROW_STEPS
-from pipeline.spec_decode.plan import spread_weight
+from pipeline.spec_decode.plan import scaled_counts, spread_weight
 from pipeline.spec_decode.stats import SpecStats, StepRecord
 
 _FORMAT = 1
@@ -43,12 +43,9 @@ def checkpoint_prior(path) -> SpecStats | None:
     tasks = read_spec_prior(path)
     if not tasks or "*" not in tasks:
         return None
-    reached, accepted = tasks["*"]
-    if not reached or not reached[0]:
-        return None
     weight = spread_weight({k: v for k, v in tasks.items() if k != "*"}, PRIOR_ROW_STEPS)
-    f = min(1.0, weight / reached[0])         # fractional counts: a light prior keeps its ratios
-    return SpecStats([r * f for r in reached], [a * f for a in accepted])
+    reached, accepted = scaled_counts(*tasks["*"], weight, whole=False)
+    return SpecStats(list(reached), list(accepted)) if reached and reached[0] else None
 
 
 def cache_dir() -> Path:

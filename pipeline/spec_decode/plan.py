@@ -96,13 +96,15 @@ def plan_gamma(model: CostModel | None, reached, accepted, rows: int, context_le
     return d.gamma, f"plan: {d.reason}"
 
 
-def scaled_counts(reached, accepted, most: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def scaled_counts(reached, accepted, most: int, whole: bool = True) -> tuple[tuple, tuple]:
     """Counts shrunk so that depth 1 holds at most `most` row-steps (ratios kept): a prior from
-    a file or an earlier run counts as `most` row-steps, so this run's evidence soon outweighs it."""
+    a file or an earlier run counts as `most` row-steps, so this run's evidence soon outweighs it.
+    `whole=False` keeps fractional counts, so a prior of a few row-steps keeps its ratios exactly."""
     if not reached or reached[0] <= most:
         return tuple(reached), tuple(accepted)
     f = most / reached[0]
-    return tuple(round(r * f) for r in reached), tuple(round(a * f) for a in accepted)
+    size = round if whole else float
+    return tuple(size(r * f) for r in reached), tuple(size(a * f) for a in accepted)
 
 
 def spread_weight(tasks: dict, most: int) -> int:

@@ -28,8 +28,9 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
 - Speculation priced by its own steps, on the same budget: at gamma 0, the best speculative
   gamma of those run at this bucket runs MIN_LOCAL steps (marked `measuring`) once its steps
   there are older than MIN_LOCAL * loss / `remeasure_share` engine steps (loss: how far it is
-  predicted behind, at least `min_gain`). A price taken in a slow spell would otherwise keep a call at gamma 0 for
-  good; the check costs at most `remeasure_share` of the steps, scaled by the predicted loss.
+  predicted behind, at least `min_gain`). A price taken in a slow spell would otherwise keep a
+  call at gamma 0 for good; the check costs at most `remeasure_share` of the steps, scaled by
+  the predicted loss.
 - No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
   takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, the
   three shapes the model is then fitted from.
@@ -160,11 +161,12 @@ class GoodputPolicy:
         seen = reached[0] if reached else 0
         if self.gamma_max == 0:
             return self._record(Decision(0, "gamma_max is 0", [0], [], []))
-        if seen < self.calibration_rows and not self.calibrated and not self.calibrate:
+        short = seen < self.calibration_rows and not self.calibrated     # too little evidence to price by
+        if short and not self.calibrate:
             g = min(self.planned or 0, self.gamma_max)
             return self._record(Decision(g, f"the plan's gamma {g}: too little evidence ({seen} row-steps) and "
                                             "calibration of this task is under way elsewhere", [], [], []))
-        if seen < self.calibration_rows and not self.calibrated:
+        if short:
             return self._record(Decision(self.gamma_max, f"calibrating acceptance ({seen}/{self.calibration_rows} row-steps)",
                                          [], [], [], calibrating=True))
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
