@@ -153,3 +153,45 @@ def test_a_plain_llama_shard_with_spec_draft_ngram_is_greedy_identical(tmp_path)
     row = result.stats_rows[0]
     assert row["drafted_by_source"].get("ngram", 0) > 0 and "mtp" not in row["drafted_by_source"]
     assert sum(result.table.column("num_drafted_tokens").to_pylist()) == row["drafted_by_source"]["ngram"]
+
+
+def test_heads_keep_the_prompt_across_gamma_0_steps(root, monkeypatch):
+    """A row whose first steps run gamma 0 keeps its prompt in the heads' cache (the skipped
+    generated tokens alone are a gap, masked), and greedy output is unchanged. Before, a gamma-0
+    step dropped the prompt's fill: json on the demo drafted 2.33 tokens per gamma-3 step
+    instead of 3.16 after three such steps."""
+    from pipeline.engine.drafter import Drafter
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    prompt = random_prompts([9], 128, seed=4)[0]
+    seen, real = [], Drafter.propose
+
+    def recording(self, n, lengths, gamma, pick):
+        out = real(self, n, lengths, gamma, pick)
+        seen.append((int(lengths[0]), self.valid[:, 0].clone()))
+        return out
+
+    monkeypatch.setattr(Drafter, "propose", recording)
+
+    class Script:
+        decisions = ()
+
+        def __init__(self):
+            self.steps = 0
+
+        def choose(self, ctx):
+            self.steps += 1
+            return 0 if self.steps <= 3 else 2
+
+        def max_gamma(self):
+            return 2
+
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=1)
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=12), gamma=Script())
+    assert out[0].token_ids == hf_greedy(path, [prompt], 12)[0]
+    length, valid = seen[0]
+    p = len(prompt)
+    assert length == p + 3                      # three gamma-0 steps before the first draft
+    assert valid[0, :p].all()                   # head 1 holds the prompt
+    assert not valid[0, p:p + 2].any()          # the first two skipped steps' tokens: a gap
+    assert valid[0, p + 2]                      # the last step's token, filled as it drafts
+    assert valid[1, 1:p].all() and not valid[1, p + 2]   # head 2 chains no carry across the gap

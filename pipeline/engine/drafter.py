@@ -10,6 +10,12 @@ Position convention (chain form of DeepSeek-V3 MTP). A row whose target cache ho
 Head k at position i thus takes head k-1's output at i-1: DeepSeek's depth-k input shifted by
 k-1 positions, which RoPE's relative form makes the same attention. Entries a head cannot have
 (gaps after gamma-0 steps, the first k-1 positions of a prompt) are masked by `valid`.
+
+A gamma-0 step skips the heads, and what it leaves unfilled becomes such a gap, except a
+prompt's fill: it stays pending until the row next drafts. Heads that never saw the prompt
+draft far worse for the row's whole length (json at gamma 3: 2.33 tokens per step against 3.36
+where the first three steps ran gamma 0; docs/decisions.md, 2026-12-02), while a gap of a few
+generated tokens costs nothing measurable.
 """
 from __future__ import annotations
 
@@ -31,10 +37,12 @@ class PendingFill:
     next_ids: torch.Tensor    # [r, w] the token after each position
     count: torch.Tensor       # [r] valid entries (the rest is padding)
     from_zero: bool = False   # a prompt: every row starts at position 0
+    gap_after: torch.Tensor | None = None   # [r] bool: the positions after it were skipped (carry invalid)
 
     def select(self, keep: torch.Tensor) -> "PendingFill":
+        gap = None if self.gap_after is None else self.gap_after[keep]
         return PendingFill(self.rows[keep], self.start[keep], self.hidden[keep], self.next_ids[keep],
-                           self.count[keep], self.from_zero)
+                           self.count[keep], self.from_zero, gap)
 
 
 class Drafter:
@@ -57,7 +65,7 @@ class Drafter:
     def reset_rows(self, rows: torch.Tensor) -> None:
         self.valid[:, rows] = False
         self.carry_ok[rows] = False
-        self.pending = [p.select(~torch.isin(p.rows, rows)) for p in self.pending]
+        self._drop_pending(rows)
 
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
@@ -68,18 +76,32 @@ class Drafter:
             p.rows[p.rows == src] = dst
 
     def drop_rows(self, rows: torch.Tensor) -> None:
-        self.pending = [p.select(~torch.isin(p.rows, rows)) for p in self.pending]
+        self._drop_pending(rows)
+
+    def _drop_pending(self, rows: torch.Tensor) -> None:
+        kept = (p.select(~torch.isin(p.rows, rows)) for p in self.pending)
+        self.pending = [p for p in kept if p.rows.numel()]
 
     def add_pending(self, fill: PendingFill) -> None:
         self.pending.append(fill)
 
     def discard_pending(self) -> None:
-        """A gamma-0 step skips the heads entirely; what it leaves unfilled becomes a masked gap.
-        Every active row has such a gap, so no row's carry is valid after it."""
+        """A gamma-0 step skips the heads: the accepted tokens of the last step become a masked
+        gap, so no such row's carry is valid after it. Prompt fills stay pending (module
+        docstring), marked where a dropped fill follows them.
+        Example: a row admitted, then two gamma-0 steps: its prompt fill is kept at the first
+        (nothing of it dropped yet), the second drops its first step's fill and marks the gap."""
         if self._carry_set:
             self.carry_ok.zero_()
             self._carry_set = False
-        self.pending = []
+        kept = [p for p in self.pending if p.from_zero]
+        dropped = [p.rows for p in self.pending if not p.from_zero]
+        if kept and dropped:
+            gap = torch.cat(dropped)
+            for p in kept:
+                hit = torch.isin(p.rows, gap)
+                p.gap_after = hit if p.gap_after is None else p.gap_after | hit
+        self.pending = kept
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -139,6 +161,6 @@ class Drafter:
             self.carry[c, p.rows] = out[idx, last]
             if first is None:
                 first = out[idx, last]
-        self.carry_ok[p.rows] = True
+        self.carry_ok[p.rows] = True if p.gap_after is None else ~p.gap_after
         self._carry_set = True
         return first
