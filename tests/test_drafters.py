@@ -195,3 +195,28 @@ def test_heads_keep_the_prompt_across_gamma_0_steps(root, monkeypatch):
     assert not valid[0, p:p + 2].any()          # the first two skipped steps' tokens: a gap
     assert valid[0, p + 2]                      # the last step's token, filled as it drafts
     assert valid[1, 1:p].all() and not valid[1, p + 2]   # head 2 chains no carry across the gap
+
+
+def test_a_deferred_prompt_fill_is_prefill_work_not_a_steps_drafting(root, monkeypatch):
+    """The heads' fill of a prompt runs with the row's first drafted step; its time goes to the
+    stats' prefill, not to that step's draft_s (the cost model would price every depth by it)."""
+    import time
+
+    from pipeline.engine.drafter import Drafter
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    real = Drafter._fill
+
+    def slow_prompt_fill(self, p):
+        if p.from_zero:
+            time.sleep(0.2)
+        return real(self, p)
+
+    monkeypatch.setattr(Drafter, "_fill", slow_prompt_fill)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2)
+    prompts = random_prompts([9, 5, 7], 128, seed=6)
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True), gamma=2)
+    st = engine.last_stats
+    assert len(st.steps) >= 3 and max(s.draft_s for s in st.steps) < 0.2
+    deferred = [p for p in st.prefills if p.rows == 0]
+    assert len(deferred) == 2 and all(p.seconds >= 0.2 for p in deferred)   # batch 2: two admissions
+    assert st.prefill_time_s >= 3 * 0.2

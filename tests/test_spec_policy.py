@@ -345,3 +345,21 @@ def test_at_gamma_0_a_speculative_price_is_re_measured_within_its_budget():
     assert "re-measuring gamma 1" in d.reason and loss > 0
     assert steps >= MIN_LOCAL * loss / policy.remeasure_share - MIN_LOCAL     # not before its budget
     assert spec > MIN_LOCAL and policy.choose(ctx) > 0 and not policy.decisions[-1].measuring   # speculating
+
+def test_steps_at_a_callers_fixed_gamma_do_not_age_the_policys_prices():
+    """Prices age by the policy's own steps: an engine's fixed-gamma calls between two auto
+    calls price the buckets they run, but leave the others as fresh as the auto call left them,
+    so the next auto call does not re-measure for them (the budget is a share of its steps)."""
+    from pipeline.engine.costs import CostTracker
+    tracker = CostTracker()
+    step = lambda g: StepRecord(g, 1, g + 1, 100, 2e-3, 1e-3 * g, g + 1)     # noqa: E731
+    for g in (0, 2):
+        for _ in range(MIN_LOCAL):
+            tracker.record(step(g), refine=True)
+    ages = tracker.local.age(0, 1, 100), tracker.local.age(2, 1, 100)
+    for _ in range(500):                       # a caller's gamma-3 call: refine=False
+        tracker.record(step(3), refine=False)
+    assert (tracker.local.age(0, 1, 100), tracker.local.age(2, 1, 100)) == ages == (MIN_LOCAL, 0)
+    assert tracker.local.age(3, 1, 100) == 0 and tracker.local.count(3, 1, 100) > 0
+    tracker.record(step(2), refine=True)
+    assert tracker.local.age(0, 1, 100) == MIN_LOCAL + 1 and tracker.local.age(3, 1, 100) == 1

@@ -104,7 +104,7 @@ class CostTracker:
                 if predicted > 0:
                     self.ratios.append(step_seconds(step) / predicted)
                     self._check_drift()
-        self.local.add(step, model, key)
+        self.local.add(step, model, key, tick=refine)
 
     def _check_drift(self) -> None:
         """Every quarter window (a median per step would cost more than the check is worth)."""

@@ -13,13 +13,16 @@ k-1 positions, which RoPE's relative form makes the same attention. Entries a he
 
 A gamma-0 step skips the heads, and what it leaves unfilled becomes such a gap, except a
 prompt's fill: it stays pending until the row next drafts. Heads that never saw the prompt
-draft far worse for the row's whole length (json at gamma 3: 2.33 tokens per step against 3.36
+draft far worse for the row's whole length (json at gamma 3: 2.33 tokens per step against 3.16
 where the first three steps ran gamma 0; docs/decisions.md, 2026-12-02), while a gap of a few
-generated tokens costs nothing measurable.
+generated tokens costs nothing measurable. A prompt's fill is prefill work wherever it runs:
+`propose` times it apart (`take_prompt_fill_s`), so no step's drafting is priced with it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import time
 
 import torch
 
@@ -60,6 +63,7 @@ class Drafter:
         self._carry_set = False       # False: carry_ok is all False (a run of gamma-0 steps skips resetting it)
         self.pending: list[PendingFill] = []
         self.full_vocab_picks = False  # coupled sampling: a head's draft vocabulary is picked over as -inf columns
+        self.prompt_fill_s = 0.0       # seconds of prompt fills run by `propose` since the last take
 
     # ---- slot management -------------------------------------------------------------------
     def reset_rows(self, rows: torch.Tensor) -> None:
@@ -111,8 +115,14 @@ class Drafter:
         heads' draft vocabulary, [n, Vd], where they have one; mapped back to V here).
         Returns (drafts [n, gamma], draft_probs [n, gamma, V] or None)."""
         first_out = torch.empty(n, self.carry.shape[-1], dtype=self.carry.dtype, device=self.carry.device)
+        prompts = [p for p in self.pending if p.from_zero]     # each its rows' first fill: run them first
+        if prompts:
+            t0 = self._clock()
+            for p in prompts:
+                first_out[p.rows] = self._fill(p)
+            self.prompt_fill_s += self._clock() - t0
         for p in self.pending:
-            if p.rows.numel():
+            if not p.from_zero and p.rows.numel():
                 first_out[p.rows] = self._fill(p)
         self.pending = []
         k = len(self.heads)
@@ -136,6 +146,16 @@ class Drafter:
             probs.append(prob)
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
         return torch.stack(drafts, dim=1), draft_probs
+
+    def take_prompt_fill_s(self) -> float:
+        """Seconds `propose` spent on prompt fills since the last take (prefill work, not drafting)."""
+        seconds, self.prompt_fill_s = self.prompt_fill_s, 0.0
+        return seconds
+
+    def _clock(self) -> float:
+        if self.carry.device.type == "cuda":
+            torch.cuda.synchronize(self.carry.device)
+        return time.perf_counter()
 
     def _fill(self, p: PendingFill) -> torch.Tensor:
         """Run every head over a pending range (cascade); returns head 1's output at the last

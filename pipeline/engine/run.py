@@ -160,6 +160,9 @@ class GenerateRun:
         drafts, width = plan.drafts, plan.drafts.shape[1]
         self._sync()
         t1 = time.perf_counter()
+        fill_s = self.drafter.take_prompt_fill_s() if self.drafter is not None else 0.0
+        if fill_s:                          # prompts' fills deferred from their prefill: prefill work
+            self.stats.observe_prefill(PrefillRecord(0, 0, fill_s))
         uniform = plan.draft_len is None or width == 0                                # every row drafts `width`
         positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)  # [n, width + 1]
         if uniform:
@@ -185,7 +188,7 @@ class GenerateRun:
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
         step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
-                          t2 - t1, t1 - t0, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s)
+                          t2 - t1, t1 - t0 - fill_s, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s)
         self.stats.observe_step(step)
         # the cost model's sample: the heads' depth as they ran (the stats keep the policy's gamma)
         sample = step if step.gamma == plan.mtp_gamma else replace(step, gamma=plan.mtp_gamma)

@@ -35,8 +35,10 @@ the heads' gamma or none: a step with n-gram rows is no gamma's shape, and joins
 a shape not yet run borrows the factor of the nearest measured bucket at the same rows (same
 gamma at the nearest context first, else the nearest gamma). These are kept per shape, apart
 from the fit window, so a shape measured once stays measured. Prices age on a shared machine:
-each bucket counts the engine's steps since it last ran (`age`, used by the policy to re-measure
-gamma 0), and a bucket run again after REVISIT_STEPS steps elsewhere keeps only its newest
+each bucket counts the policy's steps since it last ran (`age`, used by the policy to re-measure;
+steps at a caller's fixed gamma price their bucket but do not age the others, so an engine that
+alternates fixed and auto calls does not re-measure more of the auto calls' steps than the
+policy's budget allows), and a bucket run again after REVISIT_STEPS steps elsewhere keeps only its newest
 MIN_LOCAL - 1 old steps, so MIN_LOCAL new steps set its price. Measurements behind this design:
 docs/decisions.md (2026-11-29).
 """
@@ -177,7 +179,7 @@ class LocalCorrection:
         self.samples: dict[tuple, deque] = {}       # key -> (rows, ctx, seconds) of its last steps
         self.ratios: dict[tuple, deque] = {}        # key -> measured / modelled of the same steps
         self.factors: dict[tuple, float] = {}       # key -> median ratio, keys with >= MIN_LOCAL
-        self.clock = 0                              # steps added, all buckets
+        self.clock = 0                              # policy steps added (`tick`), all buckets
         self.last: dict[tuple, int] = {}            # key -> clock at its newest step
         self.visit: dict[tuple, int] = {}           # key -> steps since it was last revisited (or first run)
         self._by_rows: dict[int, list] = {}         # rows bucket -> measured (gamma, context bucket)
@@ -208,9 +210,10 @@ class LocalCorrection:
         """Steps at this bucket since it was last revisited after REVISIT_STEPS elsewhere."""
         return self.visit.get(self.key(gamma, rows, ctx), 0)
 
-    def add(self, step, model: CostModel | None = None, key: tuple | None = None) -> None:
+    def add(self, step, model: CostModel | None = None, key: tuple | None = None, tick: bool = True) -> None:
         """Record a step; with `model` (the smooth model this correction belongs to) price it now.
-        `key`: the step's `key(...)`, where the caller has it already."""
+        `key`: the step's `key(...)`, where the caller has it already. `tick`: the policy chose
+        it, so it ages every other bucket (module docstring)."""
         key = key or self.key(step.gamma, step.rows, step.context_len)
         sample = (step.rows, step.context_len, step_seconds(step))
         kept = self.samples.setdefault(key, deque(maxlen=self.keep))
@@ -220,7 +223,7 @@ class LocalCorrection:
                     old.popleft()
             self.visit[key] = 0
         kept.append(sample)
-        self.clock += 1
+        self.clock += tick
         self.last[key] = self.clock
         self.visit[key] = self.visit.get(key, 0) + 1
         if model is not None:

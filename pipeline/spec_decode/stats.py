@@ -28,8 +28,8 @@ class StepRecord:
 
 @dataclass
 class PrefillRecord:
-    rows: int
-    tokens: int             # padded prompt tokens computed
+    rows: int               # prompts prefilled (0: the heads' deferred fill of prompts already counted)
+    tokens: int             # padded prompt tokens computed (0 likewise)
     seconds: float
 
 
