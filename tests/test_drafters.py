@@ -220,3 +220,24 @@ def test_a_deferred_prompt_fill_is_prefill_work_not_a_steps_drafting(root, monke
     deferred = [p for p in st.prefills if p.rows == 0]
     assert len(deferred) == 2 and all(p.seconds >= 0.2 for p in deferred)   # batch 2: two admissions
     assert st.prefill_time_s >= 3 * 0.2
+
+
+def test_waiting_prompt_fills_follow_their_rows_as_they_move_and_finish():
+    """The docstring example of PendingPrompts: a fill of slots [3, 5]; slot 5 finishes and 3
+    moves to 1, so `take` runs only the first row's entries, as slot 1."""
+    from pipeline.engine.drafter import PendingFill, PendingPrompts
+    hidden = torch.arange(2 * 4 * 2, dtype=torch.float32).reshape(2, 4, 2)
+    fill = PendingFill(torch.tensor([3, 5]), torch.zeros(2, dtype=torch.long), hidden,
+                       torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), torch.tensor([4, 2]), from_zero=True)
+    waiting = PendingPrompts()
+    waiting.add(fill, [3, 5])
+    waiting.drop([5])
+    waiting.move(3, 1)
+    assert waiting
+    (taken,) = waiting.take("cpu")
+    assert taken.rows.tolist() == [1] and taken.count.tolist() == [4] and taken.from_zero
+    assert torch.equal(taken.hidden, hidden[:1]) and taken.next_ids.tolist() == [[1, 2, 3, 4]]
+    assert not waiting and waiting.take("cpu") == []
+    waiting.add(fill, [3, 5])
+    waiting.drop([3, 5])                         # every row gone: nothing to run
+    assert not waiting and waiting.take("cpu") == []

@@ -12,17 +12,16 @@ k-1 positions, which RoPE's relative form makes the same attention. Entries a he
 (gaps after gamma-0 steps, the first k-1 positions of a prompt) are masked by `valid`.
 
 A gamma-0 step skips the heads, and what it leaves unfilled becomes such a gap, except a
-prompt's fill: it stays pending until the row next drafts. Heads that never saw the prompt
-draft far worse for the row's whole length (json at gamma 3: 2.33 tokens per step against 3.16
-where the first three steps ran gamma 0; docs/decisions.md, 2026-12-02), while a gap of a few
-generated tokens costs nothing measurable. A prompt's fill is prefill work wherever it runs:
-`propose` times it apart (`take_prompt_fill_s`), so no step's drafting is priced with it.
+prompt's fill: it waits (`PendingPrompts`) until the row next drafts. Heads that never saw the
+prompt draft far worse for the row's whole length (json at gamma 3: 2.33 tokens per step against
+3.16 where the first three steps ran gamma 0; docs/decisions.md, 2026-12-02), while a gap of a
+few generated tokens costs nothing measurable. A prompt's fill is prefill work wherever it
+runs: `propose` times it apart (`take_prompt_fill_s`), so no step's drafting is priced with it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,12 +39,56 @@ class PendingFill:
     next_ids: torch.Tensor    # [r, w] the token after each position
     count: torch.Tensor       # [r] valid entries (the rest is padding)
     from_zero: bool = False   # a prompt: every row starts at position 0
-    gap_after: torch.Tensor | None = None   # [r] bool: the positions after it were skipped (carry invalid)
 
     def select(self, keep: torch.Tensor) -> "PendingFill":
-        gap = None if self.gap_after is None else self.gap_after[keep]
         return PendingFill(self.rows[keep], self.start[keep], self.hidden[keep], self.next_ids[keep],
-                           self.count[keep], self.from_zero, gap)
+                           self.count[keep], self.from_zero)
+
+
+class PendingPrompts:
+    """Prompt fills waiting for their rows' first drafted step. Rows are followed on the host, so
+    a row that moves or finishes meanwhile touches no tensor (a large batch at gamma 0 holds one
+    per admission); a fill is cut to its remaining rows once, when it runs.
+    Example: rows admitted into slots [3, 5]; slot 5 finishes, 3 moves to 1: `take` runs the
+    fill's first row only, as slot 1."""
+
+    def __init__(self):
+        self.fills: list[tuple[PendingFill, list[int | None]]] = []   # a fill, and its rows' slots (None: gone)
+        self.slot_of: dict[int, tuple[list, int]] = {}                 # slot -> (its fill's slot list, index)
+
+    def __bool__(self) -> bool:
+        return bool(self.slot_of)
+
+    def add(self, fill: PendingFill, slots: list[int]) -> None:
+        where = list(slots)
+        self.fills.append((fill, where))
+        for i, s in enumerate(where):
+            self.slot_of[s] = (where, i)
+
+    def drop(self, slots) -> None:
+        for s in slots:
+            hit = self.slot_of.pop(s, None)
+            if hit is not None:
+                hit[0][hit[1]] = None
+
+    def move(self, src: int, dst: int) -> None:
+        hit = self.slot_of.pop(src, None)
+        if hit is not None:
+            hit[0][hit[1]] = dst
+            self.slot_of[dst] = hit
+
+    def take(self, device) -> list[PendingFill]:
+        """The waiting fills, each cut to its remaining rows at their current slots; none after."""
+        out = []
+        for fill, where in self.fills:
+            keep = [i for i, s in enumerate(where) if s is not None]
+            if not keep:
+                continue
+            if len(keep) < len(where):
+                fill = fill.select(torch.tensor(keep, device=device))
+            out.append(replace(fill, rows=torch.tensor([where[i] for i in keep], device=device)))
+        self.fills, self.slot_of = [], {}
+        return out
 
 
 class Drafter:
@@ -61,7 +104,9 @@ class Drafter:
         self.carry = torch.zeros(k, batch_size, hidden_size, dtype=dtype, device=device)     # [K, B, H]
         self.carry_ok = torch.zeros(batch_size, dtype=torch.bool, device=device)            # [B]
         self._carry_set = False       # False: carry_ok is all False (a run of gamma-0 steps skips resetting it)
-        self.pending: list[PendingFill] = []
+        self.pending: list[PendingFill] = []     # the last verify step's accepted tokens (or a probe's)
+        self.prompts = PendingPrompts()            # prompts not yet run through the heads
+        self.gap = torch.zeros(batch_size, dtype=torch.bool, device=device)   # [B] skipped tokens after its prompt
         self.full_vocab_picks = False  # coupled sampling: a head's draft vocabulary is picked over as -inf columns
         self.prompt_fill_s = 0.0       # seconds of prompt fills run by `propose` since the last take
 
@@ -69,43 +114,42 @@ class Drafter:
     def reset_rows(self, rows: torch.Tensor) -> None:
         self.valid[:, rows] = False
         self.carry_ok[rows] = False
-        self._drop_pending(rows)
+        self.gap[rows] = False
+        self.drop_rows(rows)
 
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
         self.valid[:, dst] = self.valid[:, src]
         self.carry[:, dst] = self.carry[:, src]
         self.carry_ok[dst] = self.carry_ok[src]
+        self.gap[dst] = self.gap[src]
         for p in self.pending:
             p.rows[p.rows == src] = dst
+        self.prompts.move(src, dst)
 
     def drop_rows(self, rows: torch.Tensor) -> None:
-        self._drop_pending(rows)
-
-    def _drop_pending(self, rows: torch.Tensor) -> None:
-        kept = (p.select(~torch.isin(p.rows, rows)) for p in self.pending)
-        self.pending = [p for p in kept if p.rows.numel()]
+        self.pending = [p.select(~torch.isin(p.rows, rows)) for p in self.pending]
+        if self.prompts:
+            self.prompts.drop(rows.tolist())
 
     def add_pending(self, fill: PendingFill) -> None:
         self.pending.append(fill)
 
+    def add_prompt(self, fill: PendingFill, slots: list[int]) -> None:
+        """A prompt's fill (from_zero), run at its rows' first drafted step (module docstring)."""
+        self.prompts.add(fill, slots)
+
     def discard_pending(self) -> None:
-        """A gamma-0 step skips the heads: the accepted tokens of the last step become a masked
-        gap, so no such row's carry is valid after it. Prompt fills stay pending (module
-        docstring), marked where a dropped fill follows them.
-        Example: a row admitted, then two gamma-0 steps: its prompt fill is kept at the first
-        (nothing of it dropped yet), the second drops its first step's fill and marks the gap."""
+        """A gamma-0 step skips the heads: the last step's accepted tokens become a masked gap,
+        so no row's carry is valid after it, nor after a waiting prompt of such a row (`gap`).
+        Prompt fills keep waiting (module docstring)."""
         if self._carry_set:
             self.carry_ok.zero_()
             self._carry_set = False
-        kept = [p for p in self.pending if p.from_zero]
-        dropped = [p.rows for p in self.pending if not p.from_zero]
-        if kept and dropped:
-            gap = torch.cat(dropped)
-            for p in kept:
-                hit = torch.isin(p.rows, gap)
-                p.gap_after = hit if p.gap_after is None else p.gap_after | hit
-        self.pending = kept
+        if self.prompts:
+            for p in self.pending:
+                self.gap[p.rows] = True
+        self.pending = []
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -115,14 +159,13 @@ class Drafter:
         heads' draft vocabulary, [n, Vd], where they have one; mapped back to V here).
         Returns (drafts [n, gamma], draft_probs [n, gamma, V] or None)."""
         first_out = torch.empty(n, self.carry.shape[-1], dtype=self.carry.dtype, device=self.carry.device)
-        prompts = [p for p in self.pending if p.from_zero]     # each its rows' first fill: run them first
-        if prompts:
+        if self.prompts:                   # each its rows' first fill, so before the last step's
             t0 = self._clock()
-            for p in prompts:
+            for p in self.prompts.take(self.carry.device):
                 first_out[p.rows] = self._fill(p)
             self.prompt_fill_s += self._clock() - t0
         for p in self.pending:
-            if not p.from_zero and p.rows.numel():
+            if p.rows.numel():
                 first_out[p.rows] = self._fill(p)
         self.pending = []
         k = len(self.heads)
@@ -181,6 +224,6 @@ class Drafter:
             self.carry[c, p.rows] = out[idx, last]
             if first is None:
                 first = out[idx, last]
-        self.carry_ok[p.rows] = True if p.gap_after is None else ~p.gap_after
+        self.carry_ok[p.rows] = ~self.gap[p.rows] if p.from_zero else True
         self._carry_set = True
         return first
