@@ -241,3 +241,16 @@ def test_waiting_prompt_fills_follow_their_rows_as_they_move_and_finish():
     waiting.add(fill, [3, 5])
     waiting.drop([3, 5])                         # every row gone: nothing to run
     assert not waiting and waiting.take("cpu") == []
+
+
+@pytest.mark.parametrize("head_ms,want", [(10.0, False), (0.1, True)])
+def test_heads_run_for_a_step_only_where_their_cost_pays_against_the_ngram_drafts(head_ms, want):
+    """One row: the heads expect 2.5 drafts kept, its n-gram draft 2.2. Heads whose drafting
+    costs 10 ms on a 10.5 ms step lose to the free n-gram draft (3.5 tokens / 22 ms against 3.2 / 12);
+    at 0.1 ms they win. Before, the row took the heads on expected tokens alone."""
+    from pipeline.engine.drafting import DraftPlanner
+    from pipeline.spec_decode.cost import CostModel
+    model = CostModel((10e-3, 0.5e-3, 0.0, 0.0), 0.0, (head_ms * 1e-3, 0.0, 0.0, 0.0), 0)
+    planner = DraftPlanner({}, auto=True, ngram_cap=3, evidence=None, cost_model=lambda: model, params=None)
+    p_ng = torch.tensor([[0.9, 0.8, 0.5]], dtype=torch.float64)
+    assert planner._heads_pay(p_ng, torch.tensor([True]), 2.5, 3, 1, 64.0) is want
