@@ -254,3 +254,41 @@ def test_heads_run_for_a_step_only_where_their_cost_pays_against_the_ngram_draft
     planner = DraftPlanner({}, auto=True, ngram_cap=3, evidence=None, cost_model=lambda: model, params=None)
     p_ng = torch.tensor([[0.9, 0.8, 0.5]], dtype=torch.float64)
     assert planner._heads_pay(p_ng, torch.tensor([True]), 2.5, 3, 1, 64.0) is want
+
+
+def test_a_batch_that_never_drafts_moves_no_head_cache_rows(root, monkeypatch):
+    """Rows that finish early leave holes the last row moves into; the heads' cache of a row
+    that never drafted holds nothing, so only the target's cache row is copied. Once rows
+    draft, both are (and greedy output is unchanged either way)."""
+    from pipeline.model.cache import KVCache
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
+    moves, real = [], KVCache.move_row
+
+    def counting(self, src, dst):
+        moves.append("heads" if self is engine._caches.get("heads") else "target")
+        return real(self, src, dst)
+
+    monkeypatch.setattr(KVCache, "move_row", counting)
+
+    class Always:
+        decisions = ()
+
+        def __init__(self, gamma):
+            self.gamma = gamma
+
+        def choose(self, ctx):
+            return self.gamma
+
+        def max_gamma(self):
+            return 2
+
+    limit = engine.config.max_position_embeddings
+    prompts = random_prompts([limit - 3, 5, limit - 7, 6, 4], 128, seed=8)   # the long ones finish early
+    refs = hf_greedy(path, prompts, 10)
+    for gamma in (0, 2):
+        moves.clear()
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True), gamma=Always(gamma))
+        assert [o.token_ids for o in outs] == [r[:len(o.token_ids)] for o, r in zip(outs, refs)]
+        assert moves.count("target") > 0
+        assert moves.count("heads") == (0 if gamma == 0 else moves.count("target"))

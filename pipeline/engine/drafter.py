@@ -106,6 +106,7 @@ class Drafter:
         self._carry_set = False       # False: carry_ok is all False (a run of gamma-0 steps skips resetting it)
         self.pending: list[PendingFill] = []     # the last verify step's accepted tokens (or a probe's)
         self.prompts = PendingPrompts()            # prompts not yet run through the heads
+        self.held: set[int] = set()                # slots whose heads' cache may hold entries (host side)
         self.gap = torch.zeros(batch_size, dtype=torch.bool, device=device)   # [B] skipped tokens after its prompt
         self.full_vocab_picks = False  # coupled sampling: a head's draft vocabulary is picked over as -inf columns
         self.prompt_fill_s = 0.0       # seconds of prompt fills run by `propose` since the last take
@@ -118,7 +119,12 @@ class Drafter:
         self.drop_rows(rows)
 
     def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst)
+        """A row moves into a hole: its heads' cache only where it holds anything (a batch at
+        gamma 0 throughout has nothing there to copy), its masks and waiting fills always."""
+        if src in self.held:
+            self.cache.move_row(src, dst)
+            self.held.discard(src)
+            self.held.add(dst)
         self.valid[:, dst] = self.valid[:, src]
         self.carry[:, dst] = self.carry[:, src]
         self.carry_ok[dst] = self.carry_ok[src]
@@ -168,6 +174,7 @@ class Drafter:
             if p.rows.numel():
                 first_out[p.rows] = self._fill(p)
         self.pending = []
+        self.held.update(range(n))                 # every drafting row's entries are filled now
         k = len(self.heads)
         out, drafts, probs = first_out, [], []
         keys = torch.arange(self.cache.capacity, device=lengths.device)
