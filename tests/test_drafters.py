@@ -230,15 +230,15 @@ def test_waiting_prompt_fills_follow_their_rows_as_they_move_and_finish():
     fill = PendingFill(torch.tensor([3, 5]), torch.zeros(2, dtype=torch.long), hidden,
                        torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), torch.tensor([4, 2]), from_zero=True)
     waiting = PendingPrompts()
-    waiting.add(fill, [3, 5])
+    waiting.add(fill, [3, 5], [4, 2])
     waiting.drop([5])
     waiting.move(3, 1)
-    assert waiting
+    assert waiting and waiting.tokens == {1: 4}  # the prompt tokens still to fill, by slot
     (taken,) = waiting.take("cpu")
     assert taken.rows.tolist() == [1] and taken.count.tolist() == [4] and taken.from_zero
     assert torch.equal(taken.hidden, hidden[:1]) and taken.next_ids.tolist() == [[1, 2, 3, 4]]
     assert not waiting and waiting.take("cpu") == []
-    waiting.add(fill, [3, 5])
+    waiting.add(fill, [3, 5], [4, 2])
     waiting.drop([3, 5])                         # every row gone: nothing to run
     assert not waiting and waiting.take("cpu") == []
 
@@ -292,3 +292,30 @@ def test_a_batch_that_never_drafts_moves_no_head_cache_rows(root, monkeypatch):
         assert [o.token_ids for o in outs] == [r[:len(o.token_ids)] for o, r in zip(outs, refs)]
         assert moves.count("target") > 0
         assert moves.count("heads") == (0 if gamma == 0 else moves.count("target"))
+
+
+def test_a_step_prices_the_waiting_prompt_fills_per_token_their_rows_have_left(root):
+    """What the gamma policy is told a speculative step would pay first: each waiting prompt's
+    fill (measured seconds per prompt token) over the tokens its row is expected to produce
+    still: the task's median output length so far less what it has, else its budget."""
+    from collections import deque
+
+    from pipeline.engine.run import GenerateRun
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2)
+    params = SamplingParams(max_new_tokens=20)
+    prompts = random_prompts([9, 5], 128, seed=9)
+
+    def run(policy):
+        rows = [engine._make_row(i, p, params) for i, p in enumerate(prompts)]
+        r = GenerateRun(engine, rows, params, policy, ("mtp",), None, "t")
+        r._admit()                          # prefilled: both prompts wait for the heads
+        return r
+
+    assert run(engine.auto_policy())._waiting_fill_s() == 0.0      # no fill measured yet
+    engine.costs.note_prompt_fill(0.01, 100)                        # 100 us a prompt token
+    assert run(engine.auto_policy())._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 19)   # budget: 20 - 1
+    engine.output_lengths["t"] = deque([8, 8, 9])
+    assert run(engine.auto_policy())._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 7)    # median 8, 1 made
+    from pipeline.spec_decode.policy import FixedGamma
+    assert run(FixedGamma(2))._waiting_fill_s() == 0.0               # a fixed gamma decides nothing

@@ -363,3 +363,15 @@ def test_steps_at_a_callers_fixed_gamma_do_not_age_the_policys_prices():
     assert tracker.local.age(3, 1, 100) == 0 and tracker.local.count(3, 1, 100) > 0
     tracker.record(step(2), refine=True)
     assert tracker.local.age(0, 1, 100) == MIN_LOCAL + 1 and tracker.local.age(3, 1, 100) == 1
+
+
+def test_waiting_prompt_fills_keep_a_row_with_few_tokens_left_from_starting_to_draft():
+    """A speculative step first runs the heads over the prompts still waiting: 50 ms of fills
+    spread over 7 tokens left costs each step E(gamma) x 7.1 ms, so no gamma beats plain
+    decoding (gamma 5: 3.69 tokens / 37.8 ms against 1 / 10); over 500 tokens it barely counts."""
+    acc = [0.8] * GMAX
+    free = choose_gamma(ROOFLINE, acc, 1, 100, GMAX)
+    assert free.gamma == GMAX
+    short = choose_gamma(ROOFLINE, acc, 1, 100, GMAX, waiting_fill_s=50e-3 / 7)
+    assert short.gamma == 0 and "waiting prompt fills" in short.reason
+    assert choose_gamma(ROOFLINE, acc, 1, 100, GMAX, waiting_fill_s=50e-3 / 500).gamma == GMAX

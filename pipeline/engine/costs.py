@@ -46,6 +46,7 @@ class CostTracker:
         self._fit_s = 0.0                 # how long the last fit took
         self._new_steps = 0               # refining steps since the last fit ...
         self._new_work_s = 0.0            # ... and the step time they took
+        self.prompt_fills: deque[tuple[float, int]] = deque(maxlen=32)   # the heads' prompt fills: (s, tokens)
 
     def needs_profile(self) -> bool:
         return not self.profile or self.stale_reason is not None
@@ -115,6 +116,16 @@ class CostTracker:
             ratio = statistics.median(self.ratios)
             if not 1 / self.drift <= ratio <= self.drift:
                 self.stale_reason = f"measured steps take {ratio:.2f}x what was measured at their shapes"
+
+    def note_prompt_fill(self, seconds: float, tokens: int) -> None:
+        """The heads' fill of prompts, run at their rows' first drafted step (pipeline.engine.drafter)."""
+        if tokens > 0:
+            self.prompt_fills.append((seconds, tokens))
+
+    def prompt_fill_s_per_token(self) -> float | None:
+        """Seconds the heads take per prompt token they fill, over the recent fills; None before any."""
+        tokens = sum(t for _, t in self.prompt_fills)
+        return sum(s for s, _ in self.prompt_fills) / tokens if tokens else None
 
     def note_utilization(self, utilization: float | None) -> None:
         if utilization is None:

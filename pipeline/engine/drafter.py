@@ -16,7 +16,7 @@ prompt's fill: it waits (`PendingPrompts`) until the row next drafts. Heads that
 prompt draft far worse for the row's whole length (json at gamma 3: 2.33 tokens per step against
 3.16 where the first three steps ran gamma 0; docs/decisions.md, 2026-12-02), while a gap of a
 few generated tokens costs nothing measurable. A prompt's fill is prefill work wherever it
-runs: `propose` times it apart (`take_prompt_fill_s`), so no step's drafting is priced with it.
+runs: `propose` times it apart (`take_prompt_fill`), so no step's drafting is priced with it.
 """
 from __future__ import annotations
 
@@ -55,27 +55,31 @@ class PendingPrompts:
     def __init__(self):
         self.fills: list[tuple[PendingFill, list[int | None]]] = []   # a fill, and its rows' slots (None: gone)
         self.slot_of: dict[int, tuple[list, int]] = {}                 # slot -> (its fill's slot list, index)
+        self.tokens: dict[int, int] = {}                               # slot -> its prompt's length
 
     def __bool__(self) -> bool:
         return bool(self.slot_of)
 
-    def add(self, fill: PendingFill, slots: list[int]) -> None:
+    def add(self, fill: PendingFill, slots: list[int], lengths: list[int]) -> None:
         where = list(slots)
         self.fills.append((fill, where))
-        for i, s in enumerate(where):
+        for i, (s, n) in enumerate(zip(where, lengths)):
             self.slot_of[s] = (where, i)
+            self.tokens[s] = n
 
     def drop(self, slots) -> None:
         for s in slots:
             hit = self.slot_of.pop(s, None)
             if hit is not None:
                 hit[0][hit[1]] = None
+                self.tokens.pop(s, None)
 
     def move(self, src: int, dst: int) -> None:
         hit = self.slot_of.pop(src, None)
         if hit is not None:
             hit[0][hit[1]] = dst
             self.slot_of[dst] = hit
+            self.tokens[dst] = self.tokens.pop(src)
 
     def take(self, device) -> list[PendingFill]:
         """The waiting fills, each cut to its remaining rows at their current slots; none after."""
@@ -87,7 +91,7 @@ class PendingPrompts:
             if len(keep) < len(where):
                 fill = fill.select(torch.tensor(keep, device=device))
             out.append(replace(fill, rows=torch.tensor([where[i] for i in keep], device=device)))
-        self.fills, self.slot_of = [], {}
+        self.fills, self.slot_of, self.tokens = [], {}, {}
         return out
 
 
@@ -109,7 +113,8 @@ class Drafter:
         self.held: set[int] = set()                # slots whose heads' cache may hold entries (host side)
         self.gap = torch.zeros(batch_size, dtype=torch.bool, device=device)   # [B] skipped tokens after its prompt
         self.full_vocab_picks = False  # coupled sampling: a head's draft vocabulary is picked over as -inf columns
-        self.prompt_fill_s = 0.0       # seconds of prompt fills run by `propose` since the last take
+        self.prompt_fill_s = 0.0       # seconds of prompt fills run by `propose` since the last take ...
+        self.prompt_fill_tokens = 0    # ... and the prompt tokens they filled
 
     # ---- slot management -------------------------------------------------------------------
     def reset_rows(self, rows: torch.Tensor) -> None:
@@ -141,9 +146,9 @@ class Drafter:
     def add_pending(self, fill: PendingFill) -> None:
         self.pending.append(fill)
 
-    def add_prompt(self, fill: PendingFill, slots: list[int]) -> None:
+    def add_prompt(self, fill: PendingFill, slots: list[int], lengths: list[int]) -> None:
         """A prompt's fill (from_zero), run at its rows' first drafted step (module docstring)."""
-        self.prompts.add(fill, slots)
+        self.prompts.add(fill, slots, lengths)
 
     def discard_pending(self) -> None:
         """A gamma-0 step skips the heads: the last step's accepted tokens become a masked gap,
@@ -166,6 +171,7 @@ class Drafter:
         Returns (drafts [n, gamma], draft_probs [n, gamma, V] or None)."""
         first_out = torch.empty(n, self.carry.shape[-1], dtype=self.carry.dtype, device=self.carry.device)
         if self.prompts:                   # each its rows' first fill, so before the last step's
+            self.prompt_fill_tokens += sum(self.prompts.tokens.values())
             t0 = self._clock()
             for p in self.prompts.take(self.carry.device):
                 first_out[p.rows] = self._fill(p)
@@ -197,10 +203,12 @@ class Drafter:
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
         return torch.stack(drafts, dim=1), draft_probs
 
-    def take_prompt_fill_s(self) -> float:
-        """Seconds `propose` spent on prompt fills since the last take (prefill work, not drafting)."""
-        seconds, self.prompt_fill_s = self.prompt_fill_s, 0.0
-        return seconds
+    def take_prompt_fill(self) -> tuple[float, int]:
+        """(seconds, prompt tokens) of the prompt fills `propose` ran since the last take
+        (prefill work, not drafting)."""
+        out = self.prompt_fill_s, self.prompt_fill_tokens
+        self.prompt_fill_s, self.prompt_fill_tokens = 0.0, 0
+        return out
 
     def _clock(self) -> float:
         if self.carry.device.type == "cuda":

@@ -7,6 +7,8 @@ what outlives a call (KV caches, the cost tracker, acceptance stats, the n-gram 
 from __future__ import annotations
 
 
+from collections import deque
+
 import torch
 
 from pipeline.engine.costs import CostTracker
@@ -47,6 +49,7 @@ class Engine:
         self.spec_prior: SpecStats | None = checkpoint_prior(getattr(loaded, "path", None))   # all tasks pooled
         self.task_indexes: dict[str | None, TaskIndex] = {}   # task -> its recent outputs (n-gram drafting)
         self.ngram_evidence: dict[str | None, SpecStats] = {}  # task -> n-gram acceptance by match and depth
+        self.output_lengths: dict[str | None, deque] = {}     # task -> its recent finished rows' lengths
         self.verify_layout = "auto"           # "padded" | "packed" | "auto" (pipeline.engine.verify)
 
     @classmethod

@@ -8,6 +8,7 @@ length; rejected drafts are rolled back by not advancing its length.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import replace
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from pipeline.engine.engine import Engine
 
 TASK_INDEX_TOKENS = 32768   # output tokens an engine keeps per task for n-gram drafting
+OUTPUT_LENGTHS = 64         # finished rows' output lengths an engine keeps per task (the policy's typical length)
 PAD_SLACK = 1.25        # a prefill forward computes at most this many (padded) tokens per prompt token
 
 
@@ -146,7 +148,8 @@ class GenerateRun:
         lengths = s.lengths[:n]                     # unchanged until s.advance below
         ctx = float(lengths.float().mean())
         gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
-                                                   rows_apart=self._rows_apart(n))), self.mtp_cap)
+                                                   rows_apart=self._rows_apart(n),
+                                                   waiting_fill_s=self._waiting_fill_s())), self.mtp_cap)
         t0 = time.perf_counter()
         keys = s.keys[:n]
         pick = lambda lg, d: self._pick_draft(lg, keys, lengths + d)    # noqa: E731
@@ -160,9 +163,10 @@ class GenerateRun:
         drafts, width = plan.drafts, plan.drafts.shape[1]
         self._sync()
         t1 = time.perf_counter()
-        fill_s = self.drafter.take_prompt_fill_s() if self.drafter is not None else 0.0
+        fill_s, filled = self.drafter.take_prompt_fill() if self.drafter is not None else (0.0, 0)
         if fill_s:                          # prompts' fills deferred from their prefill: prefill work
             self.stats.observe_prefill(PrefillRecord(0, 0, fill_s))
+            self.e.costs.note_prompt_fill(fill_s, filled)
         uniform = plan.draft_len is None or width == 0                                # every row drafts `width`
         positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)  # [n, width + 1]
         if uniform:
@@ -196,6 +200,32 @@ class GenerateRun:
 
     def _emit(self, row: Row, tokens: list[int]) -> None:
         row.emit(tokens, self.params, self.eos, self.e.tokenizer)
+        if row.finished:
+            self.e.output_lengths.setdefault(self.task, deque(maxlen=OUTPUT_LENGTHS)).append(len(row.tokens))
+
+    def _waiting_fill_s(self) -> float:
+        """For the cost-model policy: the heads' fills of prompts still waiting (rows that have
+        not drafted yet; a speculative step runs them first), as seconds per token those rows
+        are expected to produce still, summed over them (pipeline.spec_decode.policy). A row's
+        expected remainder: the task's median output length so far in this engine less what it
+        has, at least 1, within its budget (its budget alone before any row of the task ended).
+        Example: a 114-token prompt at 22 us a token, its task's rows ending at 8 tokens, 1
+        generated: 2.5 ms / 7 = 0.36 ms per token left."""
+        d = self.drafter
+        per_token = self.e.costs.prompt_fill_s_per_token() if self.refine and d is not None and d.prompts else None
+        if per_token is None:
+            return 0.0
+        seen = self.e.output_lengths.get(self.task)
+        typical = statistics.median(seen) if seen else None
+        total = 0.0
+        for slot, tokens in d.prompts.tokens.items():
+            r = self.slots.rows[slot]
+            if r is None:
+                continue
+            left = r.max_new - len(r.tokens)
+            expect = left if typical is None else min(left, max(typical - len(r.tokens), 1))
+            total += per_token * tokens / max(expect, 1)
+        return total
 
     def _rows_apart(self, n: int) -> tuple:
         """For the cost-model policy: the rows it prices on their own (pipeline.spec_decode.policy):

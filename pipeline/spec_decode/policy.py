@@ -15,6 +15,11 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   held-out acceptance, weighed by how far its tasks differ, so a call's drafts soon outweigh
   it). A calibrated task that settles on gamma 0 observes no more drafts, so the estimate has
   to span enough rows to live on.
+- A row's heads' prompt fill waits until the row first drafts (pipeline.engine.drafter), so
+  the first speculative step pays it: `StepContext.waiting_fill_s`, the waiting fills' measured
+  seconds per token their rows are expected to produce still (the task's median output length
+  so far), is added to a speculative step's cost E(gamma) times. Rows with 7 tokens to go after
+  a 114-token prompt on the demo's 4-layer target do not start drafting; rows with 60 do.
 - Rows priced apart (`StepContext.rows_apart`), the rest at the task's E: a row with r tokens
   left gains nothing from drafts beyond r - 1; at a shard's tail (none queued, at most
   `FEW_ROWS` active of a batch that had more) each row's own first-draft hit rate scales the
@@ -47,6 +52,7 @@ What was measured to arrive at these rules: docs/decisions.md (2026-11-29).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Callable, Protocol, Sequence
@@ -64,6 +70,7 @@ class StepContext:
     context_len: float      # mean cached tokens per row
     stats: SpecStats        # what this generate call has measured so far
     rows_apart: tuple[tuple[int, int, int], ...] = ()   # (tokens left, steps drafted, first-draft hits)
+    waiting_fill_s: float = 0.0     # the heads' waiting prompt fills, seconds per token their rows have left
 
 
 class GammaPolicy(Protocol):
@@ -145,7 +152,8 @@ class GoodputPolicy:
 
     def choose(self, ctx: StepContext) -> int:
         model = self.cost()
-        key = (ctx.rows, id(model), int(ctx.context_len) // 64, ctx.rows_apart)
+        waiting = round(math.log2(ctx.waiting_fill_s)) if ctx.waiting_fill_s > 0 else None   # by halves
+        key = (ctx.rows, id(model), int(ctx.context_len) // 64, ctx.rows_apart, waiting)
         if (self._cached is not None and self._cached[0] == key
                 and self._cached[2] < (self.recheck_steps if self._cached[1].gamma else self.recheck_plain_steps)):
             self._cached = (key, self._cached[1], self._cached[2] + 1)
@@ -172,7 +180,8 @@ class GoodputPolicy:
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
         if model is None:
             return self._record(explore(ctx, acc, self.gamma_max))
-        d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart)
+        d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart,
+                         ctx.waiting_fill_s)
         if model.local is not None:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
             d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len)
@@ -269,19 +278,26 @@ def batch_tokens(acceptance: list[float], rows: int, gamma: int, rows_apart=()) 
 
 
 def choose_gamma(model: CostModel, acceptance: list[float], rows: int, ctx: float, gamma_max: int,
-                 min_gain: float = 0.0, rows_apart: tuple = ()) -> Decision:
+                 min_gain: float = 0.0, rows_apart: tuple = (), waiting_fill_s: float = 0.0) -> Decision:
     """argmax over gamma in 0..gamma_max of predicted goodput (ties go to the smaller gamma),
     except that a speculative gamma predicting at most `min_gain` over gamma 0 yields gamma 0.
-    `rows_apart`: (tokens left, steps drafted, first-draft hits) of rows priced on their own."""
+    `rows_apart`: (tokens left, steps drafted, first-draft hits) of rows priced on their own.
+    `waiting_fill_s`: the heads' fills of prompts not yet run, per token their rows have left
+    (module docstring): a speculative step pays them, spread over those rows' remaining steps,
+    E(gamma) tokens a step, so each such step costs E(gamma) * waiting_fill_s more."""
     candidates = list(range(gamma_max + 1))
-    goodput = [batch_tokens(acceptance, rows, g, rows_apart) / max(step_s, 1e-9)
+    goodput = [batch_tokens(acceptance, rows, g, rows_apart)
+               / max(step_s + (waiting_fill_s * expected_tokens(acceptance, g) if g else 0.0), 1e-9)
                for g, step_s in zip(candidates, model.step_s_by_gamma(rows, gamma_max, ctx))]
     best = max(candidates, key=lambda g: (goodput[g], -g))
     gain = goodput[best] / goodput[0] if goodput[0] > 0 else float("inf")
     reason = (f"rows={rows}: gamma={best} predicts {goodput[best]:.0f} tok/s, {gain:.2f}x gamma 0 "
               f"(E={expected_tokens(acceptance, best):.2f}, a1={acceptance[0]:.2f})")
+    if waiting_fill_s > 0:
+        reason += f"; waiting prompt fills {1e3 * waiting_fill_s:.2f} ms per token left"
     if best == 0:
-        reason = f"rows={rows}: no gamma beats plain decoding ({goodput[0]:.0f} tok/s)"
+        reason = f"rows={rows}: no gamma beats plain decoding ({goodput[0]:.0f} tok/s)" + (
+            f" with the waiting prompt fills ({1e3 * waiting_fill_s:.2f} ms per token left)" if waiting_fill_s > 0 else "")
     elif gain <= 1 + min_gain:
         reason = (f"rows={rows}: gamma={best} predicts only {gain:.2f}x gamma 0, within the "
                   f"{min_gain:.0%} margin: plain decoding ({goodput[0]:.0f} tok/s)")

@@ -59,7 +59,7 @@ class MTPSource:
         next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
         next_ids[idx, lens - 1] = first
         self.drafter.add_prompt(PendingFill(slots, torch.zeros_like(lens), hidden, next_ids, lens, from_zero=True),
-                                slots.tolist())
+                                slots.tolist(), lens.tolist())
 
     def after_verify(self, n, lengths, hidden, emitted, num_accepted) -> None:
         self.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
