@@ -297,7 +297,8 @@ def test_a_batch_that_never_drafts_moves_no_head_cache_rows(root, monkeypatch):
 def test_a_step_prices_the_waiting_prompt_fills_per_token_their_rows_have_left(root):
     """What the gamma policy is told a speculative step would pay first: each waiting prompt's
     fill (measured seconds per prompt token) over the tokens its row is expected to produce
-    still: the task's median output length so far less what it has, else its budget."""
+    still: the task's (or, with no task, the call's) median output length so far less what it
+    has, else its budget."""
     from collections import deque
 
     from pipeline.engine.run import GenerateRun
@@ -306,9 +307,9 @@ def test_a_step_prices_the_waiting_prompt_fills_per_token_their_rows_have_left(r
     params = SamplingParams(max_new_tokens=20)
     prompts = random_prompts([9, 5], 128, seed=9)
 
-    def run(policy):
+    def run(policy, task="t"):
         rows = [engine._make_row(i, p, params) for i, p in enumerate(prompts)]
-        r = GenerateRun(engine, rows, params, policy, ("mtp",), None, "t")
+        r = GenerateRun(engine, rows, params, policy, ("mtp",), None, task)
         r._admit()                          # prefilled: both prompts wait for the heads
         return r
 
@@ -317,5 +318,9 @@ def test_a_step_prices_the_waiting_prompt_fills_per_token_their_rows_have_left(r
     assert run(engine.auto_policy())._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 19)   # budget: 20 - 1
     engine.output_lengths["t"] = deque([8, 8, 9])
     assert run(engine.auto_policy())._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 7)    # median 8, 1 made
+    untold = run(engine.auto_policy(), task=None)            # a call of no task: its own rows' lengths only
+    assert untold._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 19)
+    untold.lengths.extend([4, 4])
+    assert untold._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 3)
     from pipeline.spec_decode.policy import FixedGamma
     assert run(FixedGamma(2))._waiting_fill_s() == 0.0               # a fixed gamma decides nothing

@@ -49,7 +49,7 @@ class Engine:
         self.spec_prior: SpecStats | None = checkpoint_prior(getattr(loaded, "path", None))   # all tasks pooled
         self.task_indexes: dict[str | None, TaskIndex] = {}   # task -> its recent outputs (n-gram drafting)
         self.ngram_evidence: dict[str | None, SpecStats] = {}  # task -> n-gram acceptance by match and depth
-        self.output_lengths: dict[str | None, deque] = {}     # task -> its recent finished rows' lengths
+        self.output_lengths: dict[str, deque] = {}            # task -> its recent finished rows' lengths
         self.verify_layout = "auto"           # "padded" | "packed" | "auto" (pipeline.engine.verify)
 
     @classmethod

@@ -89,6 +89,9 @@ class GenerateRun:
             self.planner = DraftPlanner(self.sources, self.auto, ngram_cap, evidence, engine.cost_model, params,
                                         engine.verify_layout)
         self.task = task
+        # finished rows' output lengths: the task's, kept by the engine across calls, else this call's
+        self.lengths = (engine.output_lengths.setdefault(task, deque(maxlen=OUTPUT_LENGTHS)) if task is not None
+                        else deque(maxlen=OUTPUT_LENGTHS))
         self.slots = Slots(batch, engine.device, self.sources, self.cache)
         self.queue = deque(rows)
         self.eos = frozenset(cfg.eos_token_ids)
@@ -201,22 +204,22 @@ class GenerateRun:
     def _emit(self, row: Row, tokens: list[int]) -> None:
         row.emit(tokens, self.params, self.eos, self.e.tokenizer)
         if row.finished:
-            self.e.output_lengths.setdefault(self.task, deque(maxlen=OUTPUT_LENGTHS)).append(len(row.tokens))
+            self.lengths.append(len(row.tokens))
 
     def _waiting_fill_s(self) -> float:
         """For the cost-model policy: the heads' fills of prompts still waiting (rows that have
         not drafted yet; a speculative step runs them first), as seconds per token those rows
         are expected to produce still, summed over them (pipeline.spec_decode.policy). A row's
-        expected remainder: the task's median output length so far in this engine less what it
-        has, at least 1, within its budget (its budget alone before any row of the task ended).
+        expected remainder: the median output length of its task's recent rows in this engine
+        (of this call's rows where the call names no task: calls of different tasks would mix)
+        less what it has, at least 1, within its budget (its budget alone before any row ended).
         Example: a 114-token prompt at 22 us a token, its task's rows ending at 8 tokens, 1
         generated: 2.5 ms / 7 = 0.36 ms per token left."""
         d = self.drafter
         per_token = self.e.costs.prompt_fill_s_per_token() if self.refine and d is not None and d.prompts else None
         if per_token is None:
             return 0.0
-        seen = self.e.output_lengths.get(self.task)
-        typical = statistics.median(seen) if seen else None
+        typical = statistics.median(self.lengths) if self.lengths else None
         total = 0.0
         for slot, tokens in d.prompts.tokens.items():
             r = self.slots.rows[slot]

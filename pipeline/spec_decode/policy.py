@@ -17,9 +17,10 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   to span enough rows to live on.
 - A row's heads' prompt fill waits until the row first drafts (pipeline.engine.drafter), so
   the first speculative step pays it: `StepContext.waiting_fill_s`, the waiting fills' measured
-  seconds per token their rows are expected to produce still (the task's median output length
-  so far), is added to a speculative step's cost E(gamma) times. Rows with 7 tokens to go after
-  a 114-token prompt on the demo's 4-layer target do not start drafting; rows with 60 do.
+  seconds per token their rows are expected to produce still (the median output length of the
+  task's recent rows, or the call's), is added to a speculative step's cost E(gamma) times.
+  Rows with 7 tokens to go after a 114-token prompt on the demo's 4-layer target do not start
+  drafting; rows with 60 do.
 - Rows priced apart (`StepContext.rows_apart`), the rest at the task's E: a row with r tokens
   left gains nothing from drafts beyond r - 1; at a shard's tail (none queued, at most
   `FEW_ROWS` active of a batch that had more) each row's own first-draft hit rate scales the
