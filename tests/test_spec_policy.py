@@ -375,3 +375,18 @@ def test_waiting_prompt_fills_keep_a_row_with_few_tokens_left_from_starting_to_d
     short = choose_gamma(ROOFLINE, acc, 1, 100, GMAX, waiting_fill_s=50e-3 / 7)
     assert short.gamma == 0 and "waiting prompt fills" in short.reason
     assert choose_gamma(ROOFLINE, acc, 1, 100, GMAX, waiting_fill_s=50e-3 / 500).gamma == GMAX
+
+
+def test_a_callers_few_steps_at_a_shape_are_no_re_measure_for_the_policy_to_finish():
+    """Two gamma-1 steps a fixed-gamma call just ran at this shape look like a re-measure under
+    way (fewer than MIN_LOCAL visits, recent); the policy runs gamma 1 only for re-measures it
+    started, so with gamma 1 predicted far behind it runs gamma 0 (before: gamma 1, measuring)."""
+    local = LocalCorrection()
+    measured = replace(model(a=1e-3, b=5e-3, draft=(1e-3, 1e-5, 1e-3, 1e-5)), local=local)   # compute-bound
+    prior = SpecStats()
+    prior.reached, prior.accepted = [1000] * GMAX, [100] * GMAX
+    _timed_steps(local, measured, 0, 1e3 * measured.modelled_step_s(2, 0, 100), MIN_LOCAL, rows=2)
+    _timed_steps(local, measured, 1, 1e3 * measured.modelled_step_s(2, 1, 100), 2, rows=2)
+    policy = GoodputPolicy(GMAX, lambda: measured, prior)
+    assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0
+    assert not policy.decisions[-1].measuring

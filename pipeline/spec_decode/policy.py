@@ -147,6 +147,7 @@ class GoodputPolicy:
                                         # acceptance at every depth), however few row-steps it weighs
     decisions: list[Decision] = field(default_factory=list)
     _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
+    _remeasures: dict = field(default_factory=dict, repr=False)  # bucket -> steps of a re-measure this policy runs
 
     def max_gamma(self) -> int:
         return self.gamma_max
@@ -203,7 +204,7 @@ class GoodputPolicy:
             return Decision(0, f"rows={rows}: measuring plain decoding at this shape first ({n}/{MIN_LOCAL} steps) "
                                f"before speculating; then: {d.reason}",
                             d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
-        return _remeasured(d, 0, "plain decoding", gap, local, rows, ctx, self.remeasure_share) or d
+        return self._remeasure(d, 0, "plain decoding", gap, local, rows, ctx)
 
     def _measure_speculation(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
         """Where `d` is plain decoding by prediction, run the best speculative gamma instead once
@@ -216,7 +217,22 @@ class GoodputPolicy:
             return d                       # none run at this shape: their prices are borrowed, not stale
         g = max(ran, key=lambda k: (goodput[k], -k))
         loss = max(1 - goodput[g] / goodput[0], self.min_gain)
-        return _remeasured(d, g, f"gamma {g}", loss, local, rows, ctx, self.remeasure_share) or d
+        return self._remeasure(d, g, f"gamma {g}", loss, local, rows, ctx)
+
+    def _remeasure(self, d: Decision, gamma: int, what: str, gap: float, local: LocalCorrection, rows: int,
+                   ctx: float) -> Decision:
+        """`d`, or `gamma` run instead of it while this policy's re-measure of that shape is
+        under way or due (`_remeasured`). Under way means this policy started it: steps a
+        caller's fixed-gamma call ran at the shape just before are no re-measure to finish
+        (they had an auto call run a gamma predicted 91% behind at a batch's tail)."""
+        key = local.key(gamma, rows, ctx)
+        done = self._remeasures.get(key, 0)
+        r = _remeasured(d, gamma, what, gap, local, rows, ctx, self.remeasure_share, 0 < done < MIN_LOCAL)
+        if r is None:
+            self._remeasures.pop(key, None)
+            return d
+        self._remeasures[key] = done + 1 if done < MIN_LOCAL else 1
+        return r
 
     def _record(self, d: Decision) -> int:
         self.decisions.append(d)
@@ -224,12 +240,13 @@ class GoodputPolicy:
 
 
 def _remeasured(d: Decision, gamma: int, what: str, gap: float, local: LocalCorrection, rows: int, ctx: float,
-                share: float) -> Decision | None:
+                share: float, started: bool = False) -> Decision | None:
     """`gamma` run instead of `d`, marked measuring, while a re-measure of its price at this shape
-    is under way or due: its steps here are older than MIN_LOCAL * gap / share engine steps (gap:
+    is under way (`started` by the policy, fewer than MIN_LOCAL steps since the bucket was
+    revisited) or due: its steps here are older than MIN_LOCAL * gap / share policy steps (gap:
     how far it is predicted behind). None when its price stands."""
     age, visit = local.age(gamma, rows, ctx), local.visit_steps(gamma, rows, ctx)
-    ongoing = visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
+    ongoing = started and visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
     if not ongoing and age <= MIN_LOCAL * gap / share:
         return None
     return Decision(gamma, f"rows={rows}: re-measuring {what} at this shape (last run here {age} steps ago, "
