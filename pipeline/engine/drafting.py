@@ -82,17 +82,20 @@ class DraftPlanner:
         t_choice = time.perf_counter()            # the per-row choice is host work n-gram drafting needs
         match = torch.tensor(ng.match, dtype=torch.long)
         p_ng = keep_probs(self._ngram_table(stats, ng.drafts.shape[1])[match], ng.draft_len.cpu())   # [n, Gn]
-        use_mtp = torch.zeros(n, dtype=torch.bool)
+        use_mtp, ng_lens = torch.zeros(n, dtype=torch.bool), None
         if mtp is not None and mtp_gamma > 0:     # the policy found the heads pay: rows they beat take them
             reached = _sum(stats.reached, mtp_prior.reached if mtp_prior else [])
             accepted = _sum(stats.accepted, mtp_prior.accepted if mtp_prior else [])
             a = torch.tensor(estimate_acceptance(reached, accepted, mtp_gamma), dtype=torch.float64)
             p_mtp = float(a.cumprod(0).sum())
             use_mtp = p_ng.sum(1) < p_mtp
-            if self.auto and bool(use_mtp.any()) and not self._heads_pay(p_ng, use_mtp, p_mtp, mtp_gamma, n, ctx):
-                use_mtp[:] = False
+            if self.auto and bool(use_mtp.any()):
+                pay, ng_lens = self._heads_pay(p_ng, use_mtp, p_mtp, mtp_gamma, n, ctx)
+                if not pay:
+                    use_mtp[:] = False
         p_ng[use_mtp] = 0
-        ng_lens = self._lengths(p_ng, n, ctx) if self.auto else ng.draft_len.cpu()
+        if ng_lens is None:
+            ng_lens = self._lengths(p_ng, n, ctx) if self.auto else ng.draft_len.cpu()
         lens = torch.where(use_mtp, mtp_gamma, ng_lens)
         looked += time.perf_counter() - t_choice
         if int(lens.sum()) == 0:          # no n-gram draft pays: look again after a growing pause
@@ -144,16 +147,17 @@ class DraftPlanner:
         return self._table[:, :depth]
 
     def _heads_pay(self, p_ng: torch.Tensor, use_mtp: torch.Tensor, p_mtp: float, gamma: int, n: int,
-                   ctx: float) -> bool:
+                   ctx: float) -> tuple[bool, torch.Tensor | None]:
         """Whether running the heads this step, for the rows where they expect more tokens than
-        their n-gram drafts, predicts more goodput than the n-gram drafts alone. The heads cost
-        their depth for the step whichever rows take them (the locally measured price of a
-        gamma step), n-gram drafts only their verify; once the heads run, a row takes the source
-        with more expected tokens. Example, batch 1: heads 2.0 expected drafts at 2.5x a plain
-        step, n-grams 1.1 at 1.3x: (1 + 2.0) / 2.5 = 1.2 < (1 + 1.1) / 1.3 = 1.6: n-grams."""
+        their n-gram drafts, predicts more goodput than the n-gram drafts alone; with the n-gram
+        rows' draft lengths of the option it picks (None: no cost model, the heads run). The
+        heads cost their depth for the step whichever rows take them (the locally measured price
+        of a gamma step), n-gram drafts only their verify; once the heads run, a row takes the
+        source with more expected tokens. Example, batch 1: heads 2.0 expected drafts at 2.5x a
+        plain step, n-grams 1.1 at 1.3x: (1 + 2.0) / 2.5 = 1.2 < (1 + 1.1) / 1.3 = 1.6: n-grams."""
         model = self.cost_model()
         if model is None:
-            return True
+            return True, None
         base, first, token = per_step_costs(model, n, ctx, p_ng.shape[1])
         alone = self._lengths(p_ng, n, ctx)
         w = int(alone.max())
@@ -164,7 +168,7 @@ class DraftPlanner:
         wider = max(int(lens.max()) - gamma, 0)              # n-gram rows drafting past the heads' depth
         gp_heads = ((n + int(use_mtp.sum()) * p_mtp + float(_kept(rest, lens)))
                     / (model.step_s(n, gamma, ctx) + n * wider * token))
-        return gp_heads > gp_alone
+        return (True, lens) if gp_heads > gp_alone else (False, alone)
 
     def _lengths(self, p: torch.Tensor, n: int, ctx: float) -> torch.Tensor:
         model = self.cost_model()

@@ -309,13 +309,11 @@ def choose_gamma(model: CostModel, acceptance: list[float], rows: int, ctx: floa
                for g, step_s in zip(candidates, model.step_s_by_gamma(rows, gamma_max, ctx))]
     best = max(candidates, key=lambda g: (goodput[g], -g))
     gain = goodput[best] / goodput[0] if goodput[0] > 0 else float("inf")
+    fills = f"; waiting prompt fills {1e3 * waiting_fill_s:.2f} ms per token left" if waiting_fill_s > 0 else ""
     reason = (f"rows={rows}: gamma={best} predicts {goodput[best]:.0f} tok/s, {gain:.2f}x gamma 0 "
-              f"(E={expected_tokens(acceptance, best):.2f}, a1={acceptance[0]:.2f})")
-    if waiting_fill_s > 0:
-        reason += f"; waiting prompt fills {1e3 * waiting_fill_s:.2f} ms per token left"
+              f"(E={expected_tokens(acceptance, best):.2f}, a1={acceptance[0]:.2f}){fills}")
     if best == 0:
-        reason = f"rows={rows}: no gamma beats plain decoding ({goodput[0]:.0f} tok/s)" + (
-            f" with the waiting prompt fills ({1e3 * waiting_fill_s:.2f} ms per token left)" if waiting_fill_s > 0 else "")
+        reason = f"rows={rows}: no gamma beats plain decoding ({goodput[0]:.0f} tok/s){fills}"
     elif gain <= 1 + min_gain:
         reason = (f"rows={rows}: gamma={best} predicts only {gain:.2f}x gamma 0, within the "
                   f"{min_gain:.0%} margin: plain decoding ({goodput[0]:.0f} tok/s)")
