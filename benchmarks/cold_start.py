@@ -12,6 +12,10 @@ of medians within the run.
 cold engine costs (first forwards at each shape) that every system's first call pays, so fresh
 auto / best fresh fixed is what the policy's cold start costs on its own.
 
+`--clock virtual` charges model forwards a fixed price per shape (pipeline/bench/virtual_clock.py):
+the same prices for every system and rep, so the ratios read the policy's decisions, not the
+machine's noise (transformers, if asked for, keeps real time).
+
 `--transformers` also times transformers `generate()` on the same prompts, one at a time (greedy,
 the same EOS), as a whole call like the engine's: the baseline a new user would compare against.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +38,10 @@ import pyarrow.parquet as pq
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))       # run as a script from anywhere
 DEMO = ROOT / "pipeline" / "assets" / "demo"
+
+from pipeline.bench.virtual_clock import add_clock_args, clock_from_args  # noqa: E402
 
 
 def demo_prompts(n: int, task: str) -> list[str]:
@@ -79,8 +87,14 @@ def main() -> None:
     ap.add_argument("--no-prior", action="store_true", help="ignore the checkpoint's spec_prior.json")
     ap.add_argument("--draft", default="mtp", help="draft= of every call (module docstring)")
     ap.add_argument("--transformers", action="store_true", help="also time transformers generate() (docstring)")
+    add_clock_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    with clock_from_args(args):
+        run(args)
+
+
+def run(args) -> None:
     from pipeline.engine import Engine, SamplingParams
 
     if args.no_cache:

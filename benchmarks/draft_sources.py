@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))       # run as a script from anywhere
 
+from pipeline.bench.virtual_clock import add_clock_args, clock_from_args  # noqa: E402
 from pipeline.bench.report import write_all  # noqa: E402
 from pipeline.bench.runner import BenchSpec, machine_info, run_matrix  # noqa: E402
 
@@ -37,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/draft_sources"), help="output folder")
+    add_clock_args(ap)
     return ap.parse_args(argv)
 
 
@@ -51,7 +53,8 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
 def main(argv=None) -> None:
     args = parse_args(argv)
     spec = spec_from(args)
-    result = run_matrix(spec, log=lambda *_: None)
+    with clock_from_args(args):
+        result = run_matrix(spec, log=lambda *_: None)
     print(f"model: {args.model}\n")
     print(write_all(result, args.out, machine_info(spec, result)))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))       # run as a script from anywhere
 
+from pipeline.bench.virtual_clock import add_clock_args, clock_from_args  # noqa: E402
 from pipeline.bench.gamma_policy import GammaPolicySpec, markdown_table, run_gamma_policy  # noqa: E402
 from pipeline.demo.tasks import TEMPLATES  # noqa: E402
 
@@ -37,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gamma_policy.json"))
+    add_clock_args(ap)
     return ap.parse_args(argv)
 
 
@@ -49,7 +51,8 @@ def spec_from(args: argparse.Namespace) -> GammaPolicySpec:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    report = run_gamma_policy(spec_from(args))
+    with clock_from_args(args):
+        report = run_gamma_policy(spec_from(args))
     m = report["machine"]
     print(f"model {args.model} on {m['device']} ({m['torch_threads']} threads)\n")
     print(markdown_table(report))

@@ -1,0 +1,150 @@
+"""A clock that charges model forwards a fixed, measured price per shape: decisions compared
+without the machine's timing noise.
+
+On a shared CPU one 0.1-0.3 s call swings 5-10% between runs, more than the gap between two
+gamma policies. Under a `VirtualClock` every forward of the target and of the MTP heads is
+charged what the first forwards of its shape bucket measured (the median of `reps` reruns),
+the same price for every system in the run, while host work (the policy, the n-gram lookup,
+acceptance) keeps its real time. `time.perf_counter` is replaced for the clock's lifetime, so
+the engine measures, profiles and learns from these prices exactly as it would from real ones,
+and a benchmark's timing reads them too. What it answers: which decisions a policy makes and
+what they are worth at this machine's prices, not how fast the machine is today.
+
+    clock = VirtualClock()
+    with clock.installed():
+        engine.generate(prompts, gamma="auto")   # perf_counter deltas: host time + table prices
+    clock.save("prices.json")                    # reuse with VirtualClock.load: same prices, next run
+
+A rerun of a forward at the same shape writes the same cache entries (same tokens, same
+positions), so the reruns that price a new shape change nothing the engine sees.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+_real_perf_counter = time.perf_counter
+
+
+def rows_bucket(n: int) -> int:
+    """The bucket a batch of n rows is priced at: n up to 8, then the next of steps about 12%
+    apart (10, 11, 12, 14, 15, 17, 19, 22, ...): 9 rows pay the price measured at 9 or 10."""
+    return n if n <= 8 else int(8 * 1.12 ** math.ceil(math.log(n / 8, 1.12)))
+
+
+def kv_bucket(kv: int) -> int:
+    """Keys attended, in steps of 32 (64 from 512 on): attention is a small share of a step here."""
+    step = 32 if kv < 512 else 64
+    return -(-kv // step) * step
+
+
+class VirtualClock:
+    def __init__(self, reps: int = 5, prices: dict | None = None):
+        self.reps = reps
+        self.prices: dict[str, float] = dict(prices or {})
+        self.inside = 0.0          # real seconds spent in priced forwards
+        self.charged = 0.0         # what they were charged
+        self.measured = 0          # shapes priced by this clock (not loaded)
+        self._depth = 0
+
+    @classmethod
+    def load(cls, path, reps: int = 5) -> "VirtualClock":
+        p = Path(path)
+        return cls(reps, json.loads(p.read_text()) if p.exists() else None)
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.prices, indent=0, sort_keys=True))
+
+    def now(self) -> float:
+        return _real_perf_counter() - self.inside + self.charged
+
+    def priced(self, kind: str, fn, shape):
+        """Wrap `fn(*args)`: its real time is taken out of the clock and `shape(*args)`'s price put in."""
+        def call(*args, **kwargs):
+            if self._depth:                    # nested inside a priced call: the outer one pays
+                return fn(*args, **kwargs)
+            self._depth += 1
+            try:
+                t0 = _real_perf_counter()
+                out = fn(*args, **kwargs)
+                key = f"{kind}:{shape(*args, **kwargs)}"
+                if key not in self.prices:
+                    times = [_real_perf_counter() - t0]
+                    for _ in range(self.reps - 1):
+                        t = _real_perf_counter()
+                        fn(*args, **kwargs)
+                        times.append(_real_perf_counter() - t)
+                    self.prices[key] = statistics.median(times)
+                    self.measured += 1
+                self.inside += _real_perf_counter() - t0
+                self.charged += self.prices[key]
+                return out
+            finally:
+                self._depth -= 1
+        return call
+
+    @contextmanager
+    def installed(self):
+        """Price every target and MTP-head forward (the classes', so engines built inside are
+        priced too), and read time from this clock, until exit."""
+        from pipeline.model.mtp import MTPHead
+        from pipeline.model.target import TargetModel
+
+        def target_shape(model, tokens, batch, cache=None):
+            n, q = tokens.shape
+            return f"{rows_bucket(n)}x{q}@{kv_bucket(batch.kv_len)}"
+
+        def logits_shape(model, hidden):
+            return f"{rows_bucket(hidden[..., 0].numel())}x{hidden.shape[-1]}"
+
+        def head_shape(head, prev, next_ids, batch, cache=None, layer=0):
+            n, q = next_ids.shape
+            return f"{layer}:{rows_bucket(n)}x{q}@{kv_bucket(batch.kv_len)}"
+
+        def draft_shape(head, out):
+            return f"{rows_bucket(out[..., 0].numel())}x{out.shape[-1]}"
+
+        patched = [(TargetModel, "forward", "target", target_shape), (TargetModel, "logits", "logits", logits_shape),
+                   (MTPHead, "forward", "head", head_shape), (MTPHead, "draft_logits", "draft", draft_shape)]
+        originals = [(cls, name, cls.__dict__[name]) for cls, name, _, _ in patched]
+        for cls, name, kind, shape in patched:
+            setattr(cls, name, self.priced(kind, cls.__dict__[name], shape))
+        time.perf_counter = self.now
+        try:
+            yield self
+        finally:
+            time.perf_counter = _real_perf_counter
+            for cls, name, fn in originals:
+                setattr(cls, name, fn)
+
+
+def add_clock_args(ap) -> None:
+    """`--clock virtual [--prices FILE]` for a benchmark script (module docstring)."""
+    ap.add_argument("--clock", choices=["real", "virtual"], default="real",
+                    help="virtual: model forwards charged a fixed measured price per shape (pipeline/bench/virtual_clock.py)")
+    ap.add_argument("--prices", type=Path, default=None,
+                    help="with --clock virtual: prices to start from and to save back (same prices across runs)")
+
+
+@contextmanager
+def clock_from_args(args):
+    """The clock `args` ask for, installed for the block (a real clock: nothing changes). A
+    virtual clock also points the profile cache at a new folder: a cached profile holds real
+    times, which the prices would contradict."""
+    if getattr(args, "clock", "real") != "virtual":
+        yield None
+        return
+    import os
+    import tempfile
+    os.environ["SPECBATCH_CACHE"] = tempfile.mkdtemp(prefix="virtual-clock-")
+    clock = VirtualClock.load(args.prices) if args.prices else VirtualClock()
+    with clock.installed():
+        yield clock
+    if args.prices:
+        clock.save(args.prices)
+    print(f"virtual clock: {len(clock.prices)} shapes priced ({clock.measured} measured in this run); "
+          f"forwards took {clock.inside:.1f} s real, charged {clock.charged:.1f} s")

@@ -1,0 +1,58 @@
+"""The benchmarks' virtual clock: model forwards charged a fixed price per shape, host time
+real, nothing the engine computes changed."""
+import time
+
+import torch
+
+from pipeline.bench.virtual_clock import VirtualClock, kv_bucket, rows_bucket
+from pipeline.engine import Engine, SamplingParams
+from pipeline.model.cache import Batch
+from tests.tiny_models import random_prompts, tiny_checkpoint
+
+
+def _engine(tmp_path):
+    path = tiny_checkpoint(str(tmp_path / "models"), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    return Engine.from_pretrained(path, device="cpu", max_batch_size=4, gamma_max=3)
+
+
+def test_buckets():
+    assert [rows_bucket(n) for n in (1, 8, 9, 10, 48)] == [1, 8, 10, 10, 49]
+    assert all(rows_bucket(n) >= n for n in range(1, 300))
+    assert (kv_bucket(1), kv_bucket(32), kv_bucket(33), kv_bucket(600)) == (32, 32, 64, 640)
+
+
+def test_a_forward_is_charged_its_shapes_price_and_the_clock_is_put_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    engine = _engine(tmp_path)
+    cache = engine.kv_cache("target", engine.config.num_layers, 1, 64, engine.config.num_kv_heads,
+                            engine.config.head_dim)
+    clock = VirtualClock(prices={"target:1x1@32": 5.0})
+    with clock.installed():
+        t0 = time.perf_counter()
+        engine.target(torch.tensor([[3]]), Batch.make(torch.tensor([[7]])), cache)
+        assert 5.0 <= time.perf_counter() - t0 < 5.5          # the price, not the real microseconds
+        assert clock.measured == 0
+        engine.target(torch.tensor([[3, 4]]), Batch.make(torch.tensor([[7, 8]])), cache)
+        assert clock.measured == 1 and "target:1x2@32" in clock.prices   # a new shape is measured once
+    assert time.perf_counter is not clock.now
+    assert abs(time.perf_counter() - t0) < 60                 # real time again
+
+
+def test_same_outputs_and_the_same_charge_for_the_same_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    prompts = random_prompts([5, 9, 3], 128, seed=1)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = [o.token_ids for o in _engine(tmp_path).generate(prompts, params, gamma=2)]
+    clock = VirtualClock()
+    charges = []
+    with clock.installed():
+        for _ in range(2):
+            engine = _engine(tmp_path)
+            before = clock.charged
+            outs = engine.generate(prompts, params, gamma=2)
+            charges.append(clock.charged - before)
+            assert [o.token_ids for o in outs] == plain
+    assert charges[0] == charges[1] > 0
+    saved = tmp_path / "prices.json"
+    clock.save(saved)
+    assert VirtualClock.load(saved).prices == clock.prices
