@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+CTX_SPAN = 1.5          # contexts must differ by this factor before a cost's slope along context is fitted
 MIN_LOCAL = 4           # real steps at a (gamma, rows, context) bucket before they correct the model there
 KEEP_LOCAL = 16         # the most recent steps per bucket that do
 REVISIT_STEPS = 32      # a bucket run again after this many steps elsewhere: its old steps give way (below)
@@ -317,6 +318,8 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
                             s.rows * (s.gamma + 1) * s.context_len] for s, _ in drafted], **f64)
         yd = torch.tensor([heads_draft_s(s) for s, _ in drafted], **f64)
         wd = torch.tensor([wt for _, wt in drafted], **f64)
+        if not _spans([s.context_len for s, _ in drafted]):
+            xd[:, 4] = 0.0                 # one context: its slope is not identified (NNLS would guess it)
         dcoef = nnls(xd, yd, wd / yd.clamp(min=1e-6) ** 2)
     a, m, b, h, c = vcoef.tolist()
     *dcoef, k = dcoef.tolist()
@@ -331,6 +334,14 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
             local.add(s)
     local.rebase(model)
     return replace(model, local=local)
+
+
+def _spans(values, ratio: float = CTX_SPAN) -> bool:
+    """Whether `values` (contexts) differ by `ratio` x or more: enough to fit a slope along them.
+    Example: a fresh call's first drafted steps all at ~150 tokens of context do not, and a fit
+    free to use the context column priced a depth as all context: half its cost at 60 tokens."""
+    lo, hi = min(values, default=0.0), max(values, default=0.0)
+    return lo > 0 and hi >= ratio * lo
 
 
 def _fit_overhead(steps) -> tuple[float, float]:
