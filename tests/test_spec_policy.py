@@ -7,7 +7,7 @@ import torch
 
 from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection, fit_cost_model
 from pipeline.spec_decode.policy import (ROW_PRIOR, GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
-                                  expected_tokens, row_acceptance)
+                                  expected_tokens, row_acceptance, upper_acceptance)
 from pipeline.spec_decode.stats import SpecStats, StepRecord
 
 GMAX = 5
@@ -390,3 +390,76 @@ def test_a_callers_few_steps_at_a_shape_are_no_re_measure_for_the_policy_to_fini
     policy = GoodputPolicy(GMAX, lambda: measured, prior)
     assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0
     assert not policy.decisions[-1].measuring
+
+
+# plain decoding wins at a_k = 0.6 and gamma 1 at 0.7 (rows=1, ctx 50)
+MARGINAL = model(a=10e-3, b=2e-3, draft=(5e-3, 0.0, 5e-3, 0.0))
+
+
+def _prior(scale: float) -> SpecStats:
+    """a_1 = 0.6, a_2 = 0.67 over 20 * scale row-steps at depth 1."""
+    return SpecStats([round(20 * scale), round(12 * scale)], [round(12 * scale), round(8 * scale)])
+
+
+def test_upper_acceptance_is_a_deviation_above_the_mean_that_shrinks_with_evidence():
+    mean = estimate_acceptance([20], [15], depth=1)[0]
+    assert mean == pytest.approx(17 / 24)
+    assert upper_acceptance([20], [15], depth=1)[0] == pytest.approx(mean + (mean * (1 - mean) / 25) ** 0.5)
+    gaps = [upper_acceptance([n], [3 * n // 4], 1)[0] - estimate_acceptance([n], [3 * n // 4], 1)[0]
+            for n in (20, 200, 2000)]
+    assert gaps[0] > gaps[1] > gaps[2] > 0 and gaps[2] < 0.01
+    assert upper_acceptance([0], [0], 2, z=10) == [0.99, 0.99]
+
+
+def test_plain_decoding_by_a_weak_estimate_explores_and_a_strong_one_does_not():
+    ctx = StepContext(rows=1, context_len=50, stats=SpecStats())
+    weak = GoodputPolicy(GMAX, lambda: MARGINAL, prior=_prior(1), calibrated=True)
+    assert weak.choose(ctx) > 0 and "exploring" in weak.decisions[-1].reason
+    d = weak.decisions[-1]
+    assert d.exploring and d.predicted_goodput[d.gamma] <= d.predicted_goodput[0] * (1 + weak.min_gain)   # the mean: plain
+    weak.choose(ctx)
+    assert weak.decisions[-1] is not d          # not reused: every exploring step's drafts may end it
+    optimistic = choose_gamma(MARGINAL, upper_acceptance(_prior(1).reached, _prior(1).accepted, GMAX), 1, 50, GMAX)
+    gp = optimistic.predicted_goodput
+    assert d.gamma == min(g for g in range(1, GMAX + 1) if gp[g] > gp[0] * (1 + weak.min_gain))   # the shallowest
+    strong = GoodputPolicy(GMAX, lambda: MARGINAL, prior=_prior(50), calibrated=True)
+    assert strong.choose(ctx) == 0
+    blind = GoodputPolicy(GMAX, lambda: MARGINAL, prior=_prior(1), calibrated=True, optimism=0)
+    assert blind.choose(ctx) == 0
+
+
+@pytest.mark.parametrize("accept_rate, speculates", [(0.55, False), (0.9, True)])
+def test_exploring_ends_by_itself_and_finds_high_acceptance(accept_rate, speculates):
+    policy = GoodputPolicy(GMAX, lambda: MARGINAL, prior=_prior(1), calibrated=True)
+    stats, rng = SpecStats(), random.Random(0)
+    for _ in range(200):
+        g = policy.choose(StepContext(rows=1, context_len=50, stats=stats))
+        if g:
+            run = 0
+            while run < g and rng.random() < accept_rate:
+                run += 1
+            stats.observe_acceptance(g, torch.tensor([run]))
+    explored = sum("exploring" in d.reason for d in policy.decisions)
+    assert 0 < explored <= 60                                   # bounded: the deviation shrank
+    assert not any("exploring" in d.reason for d in policy.decisions[-100:])
+    assert (policy.decisions[-1].gamma > 0) == speculates
+
+
+def test_drafting_measured_at_one_context_is_not_priced_as_context():
+    """A fresh call's first drafted steps all sit at its first prompt's context: the fit must
+    not read their cost as a slope along context (it had priced a depth at half its cost at
+    60 tokens from steps at 150), while steps spread over contexts still fit one."""
+    def steps(ctxs):
+        out = []
+        for ctx in ctxs:
+            out += [StepRecord(0, 1, 1, ctx, 2.1e-3, 0.0, 1, 1e-4),
+                    StepRecord(1, 1, 2, ctx, 2.9e-3, (0.5e-3 + 0.8e-3) * (1 + ctx / 1000), 2, 1e-4),
+                    StepRecord(2, 1, 3, ctx, 2.9e-3, (0.5e-3 + 1.6e-3) * (1 + ctx / 1000), 2, 1e-4)]
+        return out
+    one = fit_cost_model(steps([150.0]))
+    assert one.draft_ctx_s == 0.0
+    for g, measured in ((1, 1.3e-3 * 1.15), (2, 2.1e-3 * 1.15)):
+        assert one.draft_s(1, g, 60.0) == pytest.approx(measured, rel=0.05)     # the cost at 150, not a slope
+    spread = fit_cost_model(steps([40.0, 150.0, 400.0]))
+    assert spread.draft_ctx_s > 0
+    assert spread.draft_s(1, 2, 400.0) > spread.draft_s(1, 2, 40.0)

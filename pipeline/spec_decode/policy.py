@@ -62,6 +62,7 @@ from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, Local
 from pipeline.spec_decode.stats import SpecStats
 
 FEW_ROWS = 8            # at a tail (none queued), at most this many rows: each priced with its own acceptance
+EXPLORE_MIN_DEVIATION = 0.01   # optimism by less than this (thousands of row-steps seen) is not priced again
 ROW_PRIOR = 4.0         # weight (row-steps) of the task's a_1 in a row's own first-draft estimate
 
 
@@ -129,6 +130,20 @@ class Decision:
     acceptance: list[float]
     measuring: bool = False             # gamma 0 run to measure plain decoding at this shape
     calibrating: bool = False           # gamma_max run to measure acceptance at every depth
+    exploring: bool = False             # speculation the mean acceptance would not pick (GoodputPolicy.optimism)
+
+
+def upper_acceptance(reached: list[int], accepted: list[int], depth: int, z: float = 1.0,
+                     prior_weight: float = 4.0) -> list[float]:
+    """a_1..a_depth `z` posterior deviations above `estimate_acceptance` (Beta posterior of
+    reached + prior_weight row-steps per depth), at most 0.99. Example: 15 of 20 accepted at
+    depth 1: mean (15 + 2) / 24 = 0.71, deviation sqrt(0.71 * 0.29 / 25) = 0.09, so 0.80."""
+    mean = estimate_acceptance(reached, accepted, depth, prior_weight=prior_weight)
+    out = []
+    for k, m in enumerate(mean):
+        n = (reached[k] if k < len(reached) else 0) + prior_weight
+        out.append(min(m + z * math.sqrt(m * (1 - m) / (n + 1)), 0.99))
+    return out
 
 
 @dataclass
@@ -140,6 +155,7 @@ class GoodputPolicy:
     recheck_steps: int = 8
     recheck_plain_steps: int = 32       # a gamma-0 decision: no drafts, so no acceptance moves meanwhile
     min_gain: float = 0.05
+    optimism: float = 1.0               # posterior deviations of acceptance a gamma-0 decision explores by (0: none)
     remeasure_share: float = 0.005      # what re-measuring gamma 0 while speculating may cost (share of steps x gap)
     planned: int | None = None          # the driver's plan (pipeline.spec_decode.plan): run while evidence is short
     calibrate: bool = True              # False: another shard calibrates this task; do not calibrate here
@@ -163,7 +179,8 @@ class GoodputPolicy:
             return self._cached[1].gamma
         gamma = self._decide(ctx, model)
         d = self.decisions[-1]
-        self._cached = (key, d, 1) if d.predicted_goodput and not d.measuring else None   # nor while measuring
+        self._cached = (key, d, 1) if d.predicted_goodput and not (d.measuring or d.exploring) else None
+        # (not while measuring or exploring: each such step's evidence may end it)
         return gamma
 
     def _decide(self, ctx: StepContext, model: CostModel | None) -> int:
@@ -184,10 +201,33 @@ class GoodputPolicy:
             return self._record(explore(ctx, acc, self.gamma_max))
         d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart,
                          ctx.waiting_fill_s)
+        if d.gamma == 0 and self.optimism > 0:
+            d = self._explore_upward(d, model, ctx, reached, accepted)
         if model.local is not None:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
             d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len)
         return self._record(d)
+
+    def _explore_upward(self, d: Decision, model: CostModel, ctx: StepContext, reached, accepted) -> Decision:
+        """Where the mean acceptance picks plain decoding, the gamma that `optimism` posterior
+        deviations more acceptance would pick, if any: plain decoding drafts nothing, so an
+        estimate that is low (a weak prior, a few unlucky drafts) would otherwise never be
+        corrected. It explores at the shallowest gamma that pays under that view: the first
+        depth's acceptance decides most, and a deep draft that is rejected costs the most. The
+        deviation shrinks as drafts are seen, so exploring ends by itself."""
+        hi = upper_acceptance(reached, accepted, self.gamma_max, self.optimism)
+        if max(h - m for h, m in zip(hi, d.acceptance)) < EXPLORE_MIN_DEVIATION:
+            return d                       # evidence enough: the mean's choice stands
+        e = choose_gamma(model, hi, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart,
+                         ctx.waiting_fill_s)
+        if e.gamma == 0:
+            return d
+        g = min(k for k in e.candidates if k and e.predicted_goodput[k] > e.predicted_goodput[0] * (1 + self.min_gain))
+        return Decision(g, f"rows={ctx.rows}: exploring gamma {g}: plain decoding by the mean "
+                           f"(a1={d.acceptance[0]:.2f}), gamma {e.gamma} at {self.optimism:g} posterior "
+                           f"deviation(s) more acceptance (a1={hi[0]:.2f}, {reached[0] if reached else 0} row-steps); "
+                           f"the shallowest gamma that pays then",
+                        d.candidates, d.predicted_goodput, d.acceptance, exploring=True)
 
     def _measure_runner_up(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
         """Where `d` speculates, run plain decoding instead while its measurements at this shape
