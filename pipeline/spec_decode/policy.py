@@ -15,6 +15,10 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   held-out acceptance, weighed by how far its tasks differ, so a call's drafts soon outweigh
   it). A calibrated task that settles on gamma 0 observes no more drafts, so the estimate has
   to span enough rows to live on.
+- Exploring: plain decoding drafts nothing, so an acceptance estimate that picks it is never
+  corrected. Where the mean picks gamma 0 but `optimism` posterior deviations more acceptance
+  would speculate (a weak prior, a few drafts seen), the shallowest gamma that pays under that
+  view runs, re-decided every step; the deviation shrinks with each drafted row-step.
 - A row's heads' prompt fill waits until the row first drafts (pipeline.engine.drafter), so
   the first speculative step pays it: `StepContext.waiting_fill_s`, the waiting fills' measured
   seconds per token their rows are expected to produce still (the median output length of the
