@@ -49,9 +49,9 @@ def demo_prompts(n: int, task: str) -> list[str]:
     return [r["prompt"] for r in rows if r["task"] == task][-n:]      # the file's last rows
 
 
-def timed(engine, prompts, params, gamma, draft="mtp") -> tuple[float, int]:
+def timed(engine, prompts, params, gamma, draft="mtp", task=None) -> tuple[float, int]:
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, gamma=gamma, draft=draft)
+    outs = engine.generate(prompts, params, gamma=gamma, draft=draft, task=task)
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
 
 
@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--fresh-gammas", default="", help="also time a fresh engine's first call at these fixed gammas")
     ap.add_argument("--no-cache", action="store_true", help="a cold profile on every fresh engine")
     ap.add_argument("--no-prior", action="store_true", help="ignore the checkpoint's spec_prior.json")
+    ap.add_argument("--name-task", action="store_true",
+                    help="pass task= to every call (the checkpoint's prior of that task; default: no task named)")
     ap.add_argument("--draft", default="mtp", help="draft= of every call (module docstring)")
     ap.add_argument("--transformers", action="store_true", help="also time transformers generate() (docstring)")
     add_clock_args(ap)
@@ -100,6 +102,7 @@ def run(args) -> None:
     if args.no_cache:
         os.environ["SPECBATCH_CACHE"] = tempfile.mkdtemp(prefix="cold-")
     prompts = demo_prompts(args.prompts, args.task)
+    task = args.task if args.name_task else None
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     gammas = [int(g) for g in args.gammas.split(",")]
     fresh_gammas = [int(g) for g in args.fresh_gammas.split(",")] if args.fresh_gammas else []
@@ -116,7 +119,7 @@ def run(args) -> None:
         fresh = Engine.from_pretrained(args.model, device="cpu", dtype="float32", max_batch_size=1)
         if args.no_prior:
             fresh.spec_prior = None
-        s, n = timed(fresh, prompts, params, "auto", args.draft)
+        s, n = timed(fresh, prompts, params, "auto", args.draft, task)
         times.setdefault("auto (fresh engine, first call)", []).append(s)
         tokens["auto"] = n
         pol = fresh.last_policy
@@ -126,12 +129,12 @@ def run(args) -> None:
               flush=True)
         for g in fresh_gammas:        # the same cold engine, at a fixed gamma: what any system's first call pays
             cold = Engine.from_pretrained(args.model, device="cpu", dtype="float32", max_batch_size=1)
-            s, n = timed(cold, prompts, params, g, args.draft)
+            s, n = timed(cold, prompts, params, g, args.draft, task)
             times.setdefault(f"gamma={g} (fresh engine, first call)", []).append(s)
-        s, n = timed(warm, prompts, params, "auto", args.draft)
+        s, n = timed(warm, prompts, params, "auto", args.draft, task)
         times.setdefault("auto (warm engine)", []).append(s)
         for g in gammas:
-            s, n = timed(warm, prompts, params, g, args.draft)
+            s, n = timed(warm, prompts, params, g, args.draft, task)
             times.setdefault(f"gamma={g}", []).append(s)
         if timed_hf is not None:
             s, n = timed_hf(prompts, params)

@@ -7,6 +7,7 @@ import pytest
 from pipeline.engine import Engine, SamplingParams
 from pipeline.model.spec_prior import write_spec_prior
 from pipeline.spec_decode.cost import MIN_LOCAL, LocalCorrection
+from pipeline.spec_decode.evidence import PRIOR_ROW_STEPS
 from tests.tiny_models import random_prompts, tiny_checkpoint
 
 
@@ -128,3 +129,27 @@ def test_a_pooled_prior_of_tasks_far_apart_is_light_and_still_skips_calibration(
 
 def _plus(a, b):
     return [x + y for x, y in zip(a, b)]
+
+
+def test_a_named_task_starts_from_its_own_shipped_acceptance(tmp_path, monkeypatch):
+    """generate(task=T) on a fresh engine: the policy's prior is T's held-out acceptance (as the
+    driver's plan weighs it), not every task pooled; an unnamed or unknown task gets the pool."""
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    path = tiny_checkpoint(str(tmp_path / "models"), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    copy = tmp_path / "two-tasks"
+    shutil.copytree(path, copy)
+    write_spec_prior(copy, {"easy": ([4000, 3600], [3600, 3200]), "hard": ([4000, 1000], [1000, 300])},
+                     "constructed", 2)
+    prompts = random_prompts([5, 9], 128, seed=5)
+
+    def prior_a1(task):
+        engine = Engine.from_pretrained(copy, device="cpu", max_batch_size=2, gamma_max=2)
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), gamma="auto", task=task)
+        prior = engine.last_policy.prior
+        return prior.accepted[0] / prior.reached[0], prior.reached[0]
+
+    easy, hard, pooled, unknown = prior_a1("easy"), prior_a1("hard"), prior_a1(None), prior_a1("other")
+    assert easy[0] == pytest.approx(0.9) and hard[0] == pytest.approx(0.25)
+    assert easy[1] == hard[1] == PRIOR_ROW_STEPS
+    assert pooled[0] == pytest.approx((3600 + 1000) / 8000) and unknown == pooled
+    assert pooled[1] < 10          # two tasks this far apart make a weak pooled prior

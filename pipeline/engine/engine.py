@@ -47,6 +47,7 @@ class Engine:
         self.last_policy: GammaPolicy | None = None   # its .decisions explain each step's gamma
         self._caches: dict[str, KVCache] = {}          # the last call's KV caches, reused where they fit
         self.spec_prior: SpecStats | None = checkpoint_prior(getattr(loaded, "path", None))   # all tasks pooled
+        self._task_priors: dict[str, SpecStats | None] = {}   # task -> its held-out acceptance, read once
         self.task_indexes: dict[str | None, TaskIndex] = {}   # task -> its recent outputs (n-gram drafting)
         self.ngram_evidence: dict[str | None, SpecStats] = {}  # task -> n-gram acceptance by match and depth
         self.output_lengths: dict[str, deque] = {}            # task -> its recent finished rows' lengths
@@ -117,19 +118,31 @@ class Engine:
         """Utilisation measured over a shard; a large change marks the cost profile stale."""
         self.costs.note_utilization(utilization)
 
+    def checkpoint_prior(self, task: str | None = None) -> SpecStats | None:
+        """The checkpoint's held-out acceptance for `task` (pipeline.engine.warm_start), all
+        tasks pooled where the file does not hold it or no task is named."""
+        if task is None:
+            return self.spec_prior
+        if task not in self._task_priors:
+            self._task_priors[task] = checkpoint_prior(getattr(self.model, "path", None), task)
+        return self._task_priors[task]
+
     def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128, planned: int | None = None,
-                    calibrate: bool = True, rows: int | None = None, explore: bool = False) -> GoodputPolicy:
+                    calibrate: bool = True, rows: int | None = None, explore: bool = False,
+                    task: str | None = None) -> GoodputPolicy:
         """A GoodputPolicy over this engine's cost model. `prior`: acceptance measured on earlier
         shards of the same task; where it is short, the checkpoint's spec_prior.json (else the
         policy calibrates at gamma_max first). `planned`, `calibrate`: the driver's plan.
         `rows`: the call's rows (the profile covers batch sizes up to them). `explore`: a
         one-off call (generate's own "auto") that may skip the profile (warm_start.explores);
-        a run's actors profile, since their profile serves every shard and the driver's plans."""
+        a run's actors profile, since their profile serves every shard and the driver's plans.
+        `task`: the checkpoint's prior of that task rather than all tasks pooled."""
         self.ensure_profile(context_len, rows, explore)
         policy = GoodputPolicy(self.gamma_max, self.cost_model, prior or SpecStats(), planned=planned,
                                calibrate=calibrate)
-        if self.spec_prior is not None and (policy.prior.reached or [0])[0] < policy.calibration_rows:
-            policy.prior = policy.prior.merge(self.spec_prior)
+        shipped = self.checkpoint_prior(task)
+        if shipped is not None and (policy.prior.reached or [0])[0] < policy.calibration_rows:
+            policy.prior = policy.prior.merge(shipped)
             policy.calibrated = True      # held-out acceptance at every depth: a calibration, however light
         return policy
 
@@ -141,14 +154,15 @@ class Engine:
         `row_keys`: optional int per prompt keying its random stream (default: its position),
         so a row samples the same tokens whichever batch, shard or retry it runs in.
         `draft`: "auto" (per row, the source that pays), "mtp", "ngram" or "none". `task`: the
-        rows' task: n-gram drafting searches that task's recent outputs (kept across calls)."""
+        rows' task: n-gram drafting searches that task's recent outputs (kept across calls), and the
+        heads' gamma policy starts from the checkpoint's acceptance of that task (spec_prior.json)."""
         params = params or SamplingParams()
         if row_keys is not None and len(row_keys) != len(prompts):
             raise ValueError(f"row_keys has {len(row_keys)} entries for {len(prompts)} prompts")
         sources = resolve_draft(draft, bool(self.heads))
         if draft == "auto" and not (gamma == "auto" or hasattr(gamma, "choose")) and self.heads:
             sources = ("mtp",)            # an int gamma with heads means what it always meant: the heads
-        policy = self._resolve_policy(gamma, len(prompts), sources)
+        policy = self._resolve_policy(gamma, len(prompts), sources, task)
         self.last_policy = policy
         rows = [self._make_row(i, p, params) for i, p in enumerate(prompts)]
         for row, key in zip(rows, row_keys or ()):
@@ -161,7 +175,8 @@ class Engine:
         del self.stats.steps[:-_KEEP_STEPS], self.stats.prefills[:-_KEEP_STEPS]   # bounded memory
         return [r.finalize(params, self.tokenizer) if r.out.error is None else r.out for r in rows]
 
-    def _resolve_policy(self, gamma, rows: int | None = None, sources: tuple = ("mtp", "ngram")) -> GammaPolicy:
+    def _resolve_policy(self, gamma, rows: int | None = None, sources: tuple = ("mtp", "ngram"),
+                        task: str | None = None) -> GammaPolicy:
         """The MTP gamma policy (FixedGamma(0) where the heads do not draft)."""
         if isinstance(gamma, bool) or not (gamma == "auto" or isinstance(gamma, int) or hasattr(gamma, "choose")):
             raise ValueError(f"gamma must be an int >= 0, 'auto' or a policy, got {gamma!r}")
@@ -173,7 +188,7 @@ class Engine:
         if "mtp" not in sources:
             return FixedGamma(0, "the MTP heads do not draft in this call")
         if gamma == "auto" and self.heads and self.gamma_max > 0:
-            return self.auto_policy(prior=self.stats, rows=rows, explore=True)
+            return self.auto_policy(prior=self.stats, rows=rows, explore=True, task=task)
         return make_policy(gamma)
 
     def _make_row(self, index: int, prompt, params: SamplingParams) -> Row:

@@ -34,15 +34,19 @@ _FORMAT = 1
 EXPLORE_ROWS = 8        # calls of at most this many rows with nothing profiled measure on their own steps
 
 
-def checkpoint_prior(path) -> SpecStats | None:
-    """All tasks' held-out acceptance pooled, from `path/spec_prior.json`: the prior of a call
-    whose task is unknown, weighing what the tasks' spread allows (`spread_weight`, at most
-    PRIOR_ROW_STEPS row-steps: tasks far apart make a weak prior); None without the file."""
+def checkpoint_prior(path, task: str | None = None) -> SpecStats | None:
+    """`task`'s held-out acceptance from `path/spec_prior.json`, at most PRIOR_ROW_STEPS
+    row-steps (as the driver's plan weighs it); for a task the file does not hold, or None,
+    all tasks pooled, weighing what the tasks' spread allows (`spread_weight`, at most
+    PRIOR_ROW_STEPS: tasks far apart make a weak prior); None without the file."""
     if path is None:
         return None
     tasks = read_spec_prior(path)
     if not tasks or "*" not in tasks:
         return None
+    if task is not None and task != "*" and task in tasks:
+        reached, accepted = scaled_counts(*tasks[task], PRIOR_ROW_STEPS, whole=False)
+        return SpecStats(list(reached), list(accepted)) if reached and reached[0] else None
     weight = spread_weight({k: v for k, v in tasks.items() if k != "*"}, PRIOR_ROW_STEPS)
     reached, accepted = scaled_counts(*tasks["*"], weight, whole=False)
     return SpecStats(list(reached), list(accepted)) if reached and reached[0] else None
