@@ -66,7 +66,6 @@ from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, Local
 from pipeline.spec_decode.stats import SpecStats
 
 FEW_ROWS = 8            # at a tail (none queued), at most this many rows: each priced with its own acceptance
-EXPLORE_MIN_DEVIATION = 0.01   # optimism by less than this (thousands of row-steps seen) is not priced again
 ROW_PRIOR = 4.0         # weight (row-steps) of the task's a_1 in a row's own first-draft estimate
 
 
@@ -220,8 +219,12 @@ class GoodputPolicy:
         depth's acceptance decides most, and a deep draft that is rejected costs the most. The
         deviation shrinks as drafts are seen, so exploring ends by itself."""
         hi = upper_acceptance(reached, accepted, self.gamma_max, self.optimism)
-        if max(h - m for h, m in zip(hi, d.acceptance)) < EXPLORE_MIN_DEVIATION:
-            return d                       # evidence enough: the mean's choice stands
+        gp = d.predicted_goodput           # E's ratio at the same step cost bounds the optimistic goodput
+                                           # (rows priced apart aside): a cheap test before pricing again
+        bound = max((gp[g] * expected_tokens(hi, g) / expected_tokens(d.acceptance, g) for g in range(1, len(gp))),
+                    default=0.0)
+        if bound <= gp[0] * (1 + self.min_gain):
+            return d                       # where even that cannot pay, the mean's choice stands unpriced
         e = choose_gamma(model, hi, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart,
                          ctx.waiting_fill_s)
         if e.gamma == 0:
