@@ -142,10 +142,14 @@ def test_a_named_task_starts_from_its_own_shipped_acceptance(tmp_path, monkeypat
                      "constructed", 2)
     prompts = random_prompts([5, 9], 128, seed=5)
 
-    def prior_a1(task):
+    def prior_a1(task, shipped=True):
         engine = Engine.from_pretrained(copy, device="cpu", max_batch_size=2, gamma_max=2)
+        if not shipped:
+            engine.spec_prior = None        # the shipped prior turned off (cold_start.py --no-prior)
         engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), gamma="auto", task=task)
         prior = engine.last_policy.prior
+        if not prior.reached:
+            return None
         return prior.accepted[0] / prior.reached[0], prior.reached[0]
 
     easy, hard, pooled, unknown = prior_a1("easy"), prior_a1("hard"), prior_a1(None), prior_a1("other")
@@ -153,3 +157,4 @@ def test_a_named_task_starts_from_its_own_shipped_acceptance(tmp_path, monkeypat
     assert easy[1] == hard[1] == PRIOR_ROW_STEPS
     assert pooled[0] == pytest.approx((3600 + 1000) / 8000) and unknown == pooled
     assert pooled[1] < 10          # two tasks this far apart make a weak pooled prior
+    assert prior_a1("easy", shipped=False) is None and prior_a1(None, shipped=False) is None

@@ -120,8 +120,9 @@ class Engine:
 
     def checkpoint_prior(self, task: str | None = None) -> SpecStats | None:
         """The checkpoint's held-out acceptance for `task` (pipeline.engine.warm_start), all
-        tasks pooled where the file does not hold it or no task is named."""
-        if task is None:
+        tasks pooled where the file does not hold it or no task is named. `spec_prior` None
+        (no file, or a caller turned the shipped prior off) means none for any task."""
+        if task is None or self.spec_prior is None:
             return self.spec_prior
         if task not in self._task_priors:
             self._task_priors[task] = checkpoint_prior(getattr(self.model, "path", None), task)
