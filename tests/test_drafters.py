@@ -252,8 +252,7 @@ def test_heads_run_for_a_step_only_where_their_cost_pays_against_the_ngram_draft
     from pipeline.spec_decode.cost import CostModel
     model = CostModel((10e-3, 0.5e-3, 0.0, 0.0), 0.0, (head_ms * 1e-3, 0.0, 0.0, 0.0), 0)
     planner = DraftPlanner({}, auto=True, ngram_cap=3, evidence=None, cost_model=lambda: model, params=None)
-    p_ng = torch.tensor([[0.9, 0.8, 0.5]], dtype=torch.float64)
-    assert planner._heads_pay(p_ng, torch.tensor([True]), 2.5, 3, 1, 64.0)[0] is want
+    assert planner._heads_pay([[0.9, 0.8, 0.5]], [True], 2.5, 3, 1, 64.0)[0] is want
 
 
 def test_a_batch_that_never_drafts_moves_no_head_cache_rows(root, monkeypatch):

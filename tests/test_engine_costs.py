@@ -154,3 +154,58 @@ def test_local_correction_is_kept_per_context_and_outlives_the_fit_window():
     tracker._new_work_s = float("inf")                                       # make the refit due now
     refit = tracker.model()
     assert refit is not model and refit.step_s(1, 1, 400) == pytest.approx(6e-3, rel=1e-6)
+
+
+def _steps_of(truth, shapes, noise=0.0, seed=0):
+    """StepRecords (gamma 0: verify only) at (rows, q, ctx) shapes, timed by `truth(rows, q, ctx)`."""
+    rng = random.Random(seed)
+    return [StepRecord(0, rows, q, ctx, truth(rows, q, ctx) * (1 + rng.uniform(-noise, noise)), 0.0, rows)
+            for rows, q, ctx in shapes]
+
+
+def test_a_plain_steps_context_cost_is_told_apart_from_a_verify_tokens():
+    """Reading the KV cache costs per row and cached token whatever the tokens verified; a fit
+    that could only price context per verified token read plain decoding's context slope as
+    a multi-token verify's, and priced 4 tokens at 150 of context at 13 ms against 9.5."""
+    def truth(rows, q, ctx):
+        return 4e-3 + 1e-3 * rows * (q - 1) + 2e-5 * rows * ctx
+    shapes = [(1, 1, c) for c in range(20, 200, 4)] + [(1, q, 30) for q in (2, 3, 4)] * 4
+    model = fit_cost_model(_steps_of(truth, shapes))
+    assert model.verify_s(1, 4, 150) == pytest.approx(truth(1, 4, 150), rel=0.05)
+    assert model.verify_s(1, 1, 150) == pytest.approx(truth(1, 1, 150), rel=0.05)
+
+
+def test_a_window_full_of_one_shape_does_not_drown_the_others():
+    """500 plain steps whose price jumps at 32 tokens of context (no smooth model has that
+    shape) beside 20 steps at each of 4 and 6 tokens: the rare shapes are still priced near what
+    they measured, since each shape weighs at most SHAPE_WEIGHT steps in the fit."""
+    def truth(rows, q, ctx):
+        return {1: 4.3e-3 if ctx < 32 else 5.7e-3, 4: 8e-3, 6: 10.2e-3}[q]
+    rng = random.Random(1)
+    shapes = ([(1, 1, rng.randrange(20, 46)) for _ in range(500)]
+              + [(1, 4, rng.randrange(25, 31)) for _ in range(20)] + [(1, 6, rng.randrange(25, 31)) for _ in range(20)])
+    model = fit_cost_model(_steps_of(truth, shapes, noise=0.03))
+    for q in (4, 6):
+        assert model.verify_s(1, q, 28) == pytest.approx(truth(1, q, 28), rel=0.1), q
+
+
+def test_steps_at_a_shape_the_fit_never_saw_refit_the_model():
+    """A refit waits for its time share, except where MIN_LOCAL steps ran at a shape the last
+    fit did not see (the smooth model is all that prices a step with n-gram rows); steps at
+    shapes it saw do not refit it."""
+    def truth(rows, q, ctx):
+        return 4e-3 + 1.5e-3 * (q - 1)
+    tracker = CostTracker(refit_share=1e-9)      # the share rule alone would never refit
+    tracker.set_profile(_steps_of(truth, [(1, q, c) for q in (1, 2, 3) for c in (64, 256)]))
+    for s in _steps_of(truth, [(1, 1, 40)] * 64):
+        tracker.record(s)
+    assert tracker.model() is not None and tracker.fits == 1
+    for s in _steps_of(truth, [(1, 1, 40)] * 64):
+        tracker.record(s)
+    assert tracker.model() is not None and tracker.fits == 1
+    for s in _steps_of(truth, [(1, 6, 40)] * (MIN_LOCAL - 1)):
+        tracker.record(s)
+    assert tracker.model() is not None and tracker.fits == 1
+    tracker.record(_steps_of(truth, [(1, 6, 40)])[0])
+    model = tracker.model()
+    assert tracker.fits == 2 and model.verify_s(1, 6, 40) == pytest.approx(truth(1, 6, 40), rel=0.1)

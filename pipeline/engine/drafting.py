@@ -17,8 +17,9 @@ import torch
 from pipeline.engine.drafters import DraftRequest
 from pipeline.spec_decode.policy import estimate_acceptance
 from pipeline.spec_decode.acceptance import PAD, pad_mask
-from pipeline.engine.verify import PACK_SHARE, choose_layout
-from pipeline.spec_decode.row_drafts import acceptance_table, draft_lengths, keep_probs, padded_lengths
+from pipeline.engine.verify import packs
+from pipeline.spec_decode.row_drafts import (leading, acceptance_table, cumulative, draft_lengths, kept,
+                                              padded_lengths, rows_p)
 from pipeline.spec_decode.stats import SpecStats, _add_list_maps
 
 MIN_GAIN = 0.05       # per-row drafts must predict this much over plain decoding (as GoodputPolicy.min_gain)
@@ -66,7 +67,8 @@ class DraftPlanner:
     def plan(self, n: int, lengths, rows, mtp_gamma: int, pick, stats: SpecStats, mtp_prior: SpecStats | None,
              ctx: float, measuring: bool) -> StepDrafts:
         """`measuring`: the gamma policy calibrates the heads or measures plain decoding this
-        step, so no n-gram drafts (they would take rows from the heads' evidence or the price)."""
+        step, so no n-gram drafts (they would take rows from the heads' evidence or the price).
+        The per-row choice is host math on lists (pipeline.spec_decode.row_drafts)."""
         dev = lengths.device
         mtp, ngram = self.sources.get("mtp"), self.sources.get("ngram")
         ng, looked = None, 0.0
@@ -75,54 +77,59 @@ class DraftPlanner:
         elif ngram is not None and self.ngram_cap > 0 and not measuring:
             ng = ngram.propose(DraftRequest(n, lengths, self.ngram_cap, pick, rows))
             looked = ng.seconds
-            if not bool((ng.draft_len > 0).any()):
+            if not any(ng.match):
                 ng = None
         if ng is None:
             return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
         t_choice = time.perf_counter()            # the per-row choice is host work n-gram drafting needs
-        match = torch.tensor(ng.match, dtype=torch.long)
-        p_ng = keep_probs(self._ngram_table(stats, ng.drafts.shape[1])[match], ng.draft_len.cpu())   # [n, Gn]
-        use_mtp, ng_lens = torch.zeros(n, dtype=torch.bool), None
+        g = ng.drafts.shape[1]
+        avail = ng.host_len if ng.host_len is not None else ng.draft_len.tolist()
+        cum = self._ngram_cum(stats, g)
+        p_ng = [rows_p(cum[m], a) for m, a in zip(ng.match, avail)]          # [n][G]
+        use_mtp, ng_lens = [False] * n, None
         if mtp is not None and mtp_gamma > 0:     # the policy found the heads pay: rows they beat take them
             reached = _sum(stats.reached, mtp_prior.reached if mtp_prior else [])
             accepted = _sum(stats.accepted, mtp_prior.accepted if mtp_prior else [])
-            a = torch.tensor(estimate_acceptance(reached, accepted, mtp_gamma), dtype=torch.float64)
-            p_mtp = float(a.cumprod(0).sum())
-            use_mtp = p_ng.sum(1) < p_mtp
-            if self.auto and bool(use_mtp.any()):
+            p_mtp = sum(cumulative(estimate_acceptance(reached, accepted, mtp_gamma)))
+            use_mtp = [sum(r) < p_mtp for r in p_ng]
+            if self.auto and any(use_mtp):
                 pay, ng_lens = self._heads_pay(p_ng, use_mtp, p_mtp, mtp_gamma, n, ctx)
                 if not pay:
-                    use_mtp[:] = False
-        p_ng[use_mtp] = 0
+                    use_mtp = [False] * n
+            p_ng = [[0.0] * g if u else r for r, u in zip(p_ng, use_mtp)]
         if ng_lens is None:
-            ng_lens = self._lengths(p_ng, n, ctx) if self.auto else ng.draft_len.cpu()
-        lens = torch.where(use_mtp, mtp_gamma, ng_lens)
+            ng_lens = self._lengths(p_ng, n, ctx) if self.auto else avail
+        lens = [mtp_gamma if u else k for u, k in zip(use_mtp, ng_lens)]
         looked += time.perf_counter() - t_choice
-        if int(lens.sum()) == 0:          # no n-gram draft pays: look again after a growing pause
+        if not any(lens):                 # no n-gram draft pays: look again after a growing pause
             self._idle += 1
             self._wait = min(2 ** self._idle, MAX_WAIT) - 1
             return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
         self._idle = 0
-        width = int(lens.max())
-        drafts = torch.full((n, width), PAD, dtype=torch.long, device=dev)
-        drafts[:, :min(width, ng.drafts.shape[1])] = ng.drafts[:, :width]
-        probs, ran = None, 0
-        if bool(use_mtp.any()):
+        width = max(lens)
+        drafts = ng.drafts[:, :width]
+        if width > g:
+            drafts = torch.cat([drafts, torch.full((n, width - g), PAD, dtype=torch.long, device=dev)], dim=1)
+        lens_t = torch.tensor(lens, device=dev)
+        probs, ran, any_mtp = None, 0, any(use_mtp)
+        if any_mtp:
             prop = mtp.propose(DraftRequest(n, lengths, mtp_gamma, pick, rows))
             ran = mtp_gamma
-            um = use_mtp.to(dev)
+            um = torch.tensor(use_mtp, device=dev)
+            drafts = drafts.clone()
             drafts[um, :mtp_gamma] = prop.drafts[um]
             drafts[um, mtp_gamma:] = PAD
             if prop.probs is not None:
                 probs = prop.probs.new_zeros(n, width, prop.probs.shape[-1])
                 probs[:, :mtp_gamma] = prop.probs
-        elif mtp is not None:
-            mtp.skip()
-        lens = lens.to(dev)
-        drafts = torch.where(pad_mask(lens, width), drafts, PAD)
-        one_hot = ~use_mtp.to(dev)
-        match_list = [m if not u and l else 0 for m, u, l in zip(ng.match, use_mtp.tolist(), lens.tolist())]
-        return StepDrafts(drafts, lens, probs, one_hot, ran, use_mtp.to(dev), match_list, looked)
+        else:
+            um = torch.zeros(n, dtype=torch.bool, device=dev)
+            if mtp is not None:
+                mtp.skip()
+        if any(k < min(a, width) for k, a, u in zip(lens, avail, use_mtp) if not u):   # rows cut short
+            drafts = torch.where(pad_mask(lens_t, width), drafts, PAD)
+        match_list = [m if not u and k else 0 for m, u, k in zip(ng.match, use_mtp, lens)]
+        return StepDrafts(drafts, lens_t, probs, ~um, ran, um, match_list, looked)
 
     def _mtp_only(self, n: int, lengths, rows, mtp_gamma: int, pick, looked: float = 0.0) -> StepDrafts:
         """Every row drafts mtp_gamma with the heads (or nobody drafts): the step as before n-grams.
@@ -135,19 +142,21 @@ class DraftPlanner:
         prop = mtp.propose(DraftRequest(n, lengths, mtp_gamma, pick, rows))
         return StepDrafts(prop.drafts, None, prop.probs, None, mtp_gamma, None, None, looked)
 
-    def _ngram_table(self, stats: SpecStats, depth: int) -> torch.Tensor:
-        """Per-depth acceptance by match length, re-estimated every TABLE_STEPS steps (it moves
-        slowly, and rebuilding it is a good part of a small batch's drafting time)."""
+    def _ngram_cum(self, stats: SpecStats, depth: int) -> list[list[float]]:
+        """Per match length, the cumulative acceptance P_j of an n-gram draft's first `depth`,
+        re-estimated every TABLE_STEPS steps (it moves slowly, and rebuilding it is a good part
+        of a small batch's drafting time)."""
         self._asked += 1
-        if self._table is None or self._table.shape[1] < depth or self._asked % TABLE_STEPS == 0:
+        if self._table is None or len(self._table[0]) < depth or self._asked % TABLE_STEPS == 0:
             ev = self.evidence or SpecStats()
-            self._table = acceptance_table(_add_list_maps(ev.source_reached, stats.source_reached),
-                                           _add_list_maps(ev.source_accepted, stats.source_accepted), "ngram",
-                                           max(depth, self.ngram_cap))
-        return self._table[:, :depth]
+            table = acceptance_table(_add_list_maps(ev.source_reached, stats.source_reached),
+                                     _add_list_maps(ev.source_accepted, stats.source_accepted), "ngram",
+                                     max(depth, self.ngram_cap))
+            self._table = [cumulative(a) for a in table]
+        return [c[:depth] for c in self._table] if len(self._table[0]) > depth else self._table
 
-    def _heads_pay(self, p_ng: torch.Tensor, use_mtp: torch.Tensor, p_mtp: float, gamma: int, n: int,
-                   ctx: float) -> tuple[bool, torch.Tensor | None]:
+    def _heads_pay(self, p_ng: list[list[float]], use_mtp: list[bool], p_mtp: float, gamma: int, n: int,
+                   ctx: float) -> tuple[bool, list[int] | None]:
         """Whether running the heads this step, for the rows where they expect more tokens than
         their n-gram drafts, predicts more goodput than the n-gram drafts alone; with the n-gram
         rows' draft lengths of the option it picks (None: no cost model, the heads run). The
@@ -158,44 +167,40 @@ class DraftPlanner:
         model = self.cost_model()
         if model is None:
             return True, None
-        base, first, token = per_step_costs(model, n, ctx, p_ng.shape[1])
+        g = len(p_ng[0])
+        base, first, token = per_step_costs(model, n, ctx, g)
         alone = self._lengths(p_ng, n, ctx)
-        w = int(alone.max())
-        gp_alone = (n + float(_kept(p_ng, alone))) / (base + (first + n * w * token if w else 0.0))
-        rest = p_ng.clone()
-        rest[use_mtp] = 0
+        w = max(alone)
+        gp_alone = (n + kept(p_ng, alone)) / (base + (first + n * w * token if w else 0.0))
+        rest = [[0.0] * g if u else r for r, u in zip(p_ng, use_mtp)]
         lens = self._lengths(rest, n, ctx)
-        wider = max(int(lens.max()) - gamma, 0)              # n-gram rows drafting past the heads' depth
-        gp_heads = ((n + int(use_mtp.sum()) * p_mtp + float(_kept(rest, lens)))
+        wider = max(max(lens) - gamma, 0)                    # n-gram rows drafting past the heads' depth
+        gp_heads = ((n + sum(use_mtp) * p_mtp + kept(rest, lens))
                     / (model.step_s(n, gamma, ctx) + n * wider * token))
         return (True, lens) if gp_heads > gp_alone else (False, alone)
 
-    def _lengths(self, p: torch.Tensor, n: int, ctx: float) -> torch.Tensor:
+    def _lengths(self, p: list[list[float]], n: int, ctx: float) -> list[int]:
         model = self.cost_model()
         if model is None:
-            return (p > 0).sum(1)
-        base, first, token = per_step_costs(model, n, ctx, p.shape[1])
+            return [leading(r) for r in p]
+        g = len(p[0])
+        base, first, token = per_step_costs(model, n, ctx, g)
         if self.layout == "padded":
             return padded_lengths(p, base, token, first, MIN_GAIN)
         if self.layout == "packed":
             return draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
         padded = padded_lengths(p, base, token, first, MIN_GAIN)
-        if int((p[:, 0] > 0).sum()) * p.shape[1] + n > PACK_SHARE * n * (p.shape[1] + 1):
+        if not packs(sum(r[0] > 0 for r in p) * g, n, g):
             return padded                  # too many rows have drafts for a packed verify
         ragged = draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
-        width = int(ragged.max())          # auto: ragged where the verify will be packed and it predicts more
-        if width and choose_layout(ragged, width, "auto") == "packed":
-            gp_r = (n + float(_kept(p, ragged))) / (base + first + float(ragged.sum()) * token * GATHER_COST)
-            wp = int(padded.max())
-            gp_p = (n + float(_kept(p, padded))) / (base + (first + n * wp * token if wp else 0.0))
+        width = max(ragged)                # auto: ragged where the verify will be packed and it predicts more
+        if width and packs(sum(ragged), n, width):
+            gp_r = (n + kept(p, ragged)) / (base + first + sum(ragged) * token * GATHER_COST)
+            wp = max(padded)
+            gp_p = (n + kept(p, padded)) / (base + (first + n * wp * token if wp else 0.0))
             if gp_r > gp_p:
                 return ragged
         return padded
-
-
-def _kept(p: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Expected accepted drafts when row i keeps its first lens[i]."""
-    return (p * (torch.arange(p.shape[1]) < lens[:, None])).sum()
 
 
 def _sum(a: list[int], b: list[int]) -> list[int]:

@@ -24,10 +24,12 @@ def choose_layout(draft_len: torch.Tensor, width: int, layout: str) -> str:
     draft_len [4] + [0] * 9: 14 of 50 (0.28) -> packed."""
     if layout != "auto":
         return layout
-    n = draft_len.shape[0]
-    if width == 0 or int(draft_len.sum()) + n > PACK_SHARE * n * (width + 1):
-        return "padded"
-    return "packed"
+    return "packed" if packs(int(draft_len.sum()), draft_len.shape[0], width) else "padded"
+
+
+def packs(drafts: int, n: int, width: int) -> bool:
+    """Whether `auto` packs a verify of `drafts` drafts over `n` rows at most `width` each."""
+    return width > 0 and drafts + n <= PACK_SHARE * n * (width + 1)
 
 
 def verify_forward(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,

@@ -16,10 +16,14 @@ that is within `min_gain` of plain decoding.
 Example: 2 rows, P = [[0.9, 0.8], [0.2, 0.0]], base_s 10, first_s 0, token_s 1: keeping
 0.9, 0.8 gives (2 + 1.7) / 12 = 0.308 tokens/s-unit against 2 / 10 = 0.2, adding 0.2 gives
 3.9 / 13 = 0.300: lengths [2, 0].
+
+Host math on a step's few numbers, in plain Python lists: a torch or numpy call costs 10-100 us
+between a step's forwards on this CPU, and a batch-1 step's choice took 0.7 ms of a 5 ms step in
+torch (docs/decisions.md, 2026-12-02). P is a list of rows, lengths a list of ints.
 """
 from __future__ import annotations
 
-import torch
+from itertools import accumulate
 
 from pipeline.spec_decode.policy import estimate_acceptance
 
@@ -27,54 +31,76 @@ MATCH_PRIOR = {1: 0.3, 2: 0.5, 3: 0.7}     # a_1 prior of an n-gram draft by mat
 
 
 def acceptance_table(reached: dict[str, list[int]], accepted: dict[str, list[int]], prefix: str,
-                     depth: int, max_match: int = 3) -> torch.Tensor:
-    """[max_match + 1, depth] per-depth acceptance of `prefix:m` drafts (row m; row 0 all zero),
+                     depth: int, max_match: int = 3) -> list[list[float]]:
+    """[max_match + 1][depth] per-depth acceptance of `prefix:m` drafts (row m; row 0 all zero),
     from counts keyed "ngram:1".. with a Beta prior (MATCH_PRIOR)."""
-    table = torch.zeros(max_match + 1, depth, dtype=torch.float64)
-    for m in range(1, max_match + 1):
-        key = f"{prefix}:{m}"
-        table[m] = torch.tensor(estimate_acceptance(reached.get(key, []), accepted.get(key, []), depth,
-                                                    prior_mean=MATCH_PRIOR.get(m, 0.5)), dtype=torch.float64)
-    return table
+    return [[0.0] * depth] + [estimate_acceptance(reached.get(f"{prefix}:{m}", []), accepted.get(f"{prefix}:{m}", []),
+                                                  depth, prior_mean=MATCH_PRIOR.get(m, 0.5))
+                              for m in range(1, max_match + 1)]
 
 
-def keep_probs(acceptance: torch.Tensor, avail: torch.Tensor) -> torch.Tensor:
-    """acceptance [n, G] per-depth a_k of each row's source, avail [n] its proposal's length ->
-    P [n, G], 0 beyond avail. Example: a [[0.5, 0.5, 0.5]], avail [2] -> [[0.5, 0.25, 0]]."""
-    p = acceptance.cumprod(dim=1)
-    return p * (torch.arange(p.shape[1]) < avail[:, None])
+def cumulative(acceptance: list[float]) -> list[float]:
+    """P_j = prod_{k<=j} a_k. Example: [0.5, 0.5, 0.5] -> [0.5, 0.25, 0.125]."""
+    return list(accumulate(acceptance, lambda p, a: p * a))
 
 
-def draft_lengths(p: torch.Tensor, base_s: float, token_s: float, first_s: float = 0.0,
-                  min_gain: float = 0.0) -> torch.Tensor:
-    """P [n, G] -> drafts to verify per row [n] (module docstring); rows with P 0 get 0."""
-    n, g = p.shape
-    if g == 0 or n == 0:
-        return torch.zeros(n, dtype=torch.long)
-    flat, order = p.flatten().sort(descending=True)
-    k = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
-    goodput = (n + flat.double().cumsum(0)) / (base_s + first_s + token_s * k)
-    best = int(goodput.argmax())
-    if flat[best] <= 0 or goodput[best] <= (1 + min_gain) * n / base_s:
-        return torch.zeros(n, dtype=torch.long)
-    keep = torch.zeros(n * g, dtype=torch.bool)
-    keep[order[:best + 1]] = True
-    return keep.view(n, g).long().cumprod(dim=1).sum(dim=1)
+def keep_probs(acceptance, avail) -> list[list[float]]:
+    """acceptance [n][G] per-depth a_k of each row's source, avail [n] its proposal's length ->
+    P [n][G], 0 beyond avail. Example: a [[0.5, 0.5, 0.5]], avail [2] -> [[0.5, 0.25, 0]]."""
+    return [rows_p(cumulative(list(map(float, a))), int(k)) for a, k in zip(acceptance, avail)]
 
 
-def padded_lengths(p: torch.Tensor, base_s: float, token_s: float, first_s: float = 0.0,
-                   min_gain: float = 0.0) -> torch.Tensor:
+def rows_p(cum: list[float], avail: int) -> list[float]:
+    """One row's P from its source's cumulative acceptance: zero beyond its `avail` drafts."""
+    return cum[:avail] + [0.0] * (len(cum) - avail)
+
+
+def kept(p: list[list[float]], lens: list[int]) -> float:
+    """Expected accepted drafts when row i keeps its first lens[i]."""
+    return sum(sum(row[:k]) for row, k in zip(p, lens))
+
+
+def leading(row: list[float]) -> int:
+    """Drafts with P > 0 (a prefix: P falls with depth)."""
+    k = 0
+    for x in row:
+        if x <= 0:
+            break
+        k += 1
+    return k
+
+
+def draft_lengths(p, base_s: float, token_s: float, first_s: float = 0.0, min_gain: float = 0.0) -> list[int]:
+    """P [n][G] -> drafts to verify per row [n] (module docstring); rows with P 0 get 0."""
+    p = [list(map(float, row)) for row in p]
+    n = len(p)
+    flat = sorted(((x, i) for i, row in enumerate(p) for x in row if x > 0), key=lambda t: -t[0])
+    if not flat:
+        return [0] * n
+    best, best_gp, total = -1, (1 + min_gain) * n / base_s, float(n)
+    for k, (x, _) in enumerate(flat):
+        total += x
+        gp = total / (base_s + first_s + token_s * (k + 1))
+        if gp > best_gp:
+            best, best_gp = k, gp
+    lens = [0] * n
+    for _, i in flat[:best + 1]:
+        lens[i] += 1                       # a row's P falls with depth: its kept drafts are a prefix
+    return lens
+
+
+def padded_lengths(p, base_s: float, token_s: float, first_s: float = 0.0, min_gain: float = 0.0) -> list[int]:
     """Drafts per row when every row verifies W + 1 slots (a padded verify prices the width,
     not the drafts): W maximises (rows + sum_{j<W} P_ij) / (base_s + first_s + rows * W * token_s),
     and each row drafts what it has below W. Example: P [[0.9, 0.8], [0.2, 0]], base 10, token 1:
     W=1: 3.1 / 12 = 0.26, W=2: 3.9 / 14 = 0.28, plain 2 / 10 -> W=2, lengths [2, 1]."""
-    n, g = p.shape
-    if g == 0 or n == 0:
-        return torch.zeros(n, dtype=torch.long)
-    gain = p.double().sum(0).cumsum(0)                                       # [G] tokens over width W
-    w = torch.arange(1, g + 1, dtype=torch.float64)
-    goodput = (n + gain) / (base_s + first_s + n * w * token_s)
-    best = int(goodput.argmax())
-    if goodput[best] <= (1 + min_gain) * n / base_s:
-        return torch.zeros(n, dtype=torch.long)
-    return (p[:, :best + 1] > 0).long().cumprod(dim=1).sum(dim=1)
+    p = [list(map(float, row)) for row in p]
+    n = len(p)
+    if n == 0 or not p[0]:
+        return [0] * n
+    best, best_gp = 0, (1 + min_gain) * n / base_s
+    for w, gain in enumerate(accumulate(sum(col) for col in zip(*p)), start=1):
+        gp = (n + gain) / (base_s + first_s + n * w * token_s)
+        if gp > best_gp:
+            best, best_gp = w, gp
+    return [min(leading(row), best) for row in p]

@@ -35,6 +35,7 @@ class Proposal:
     probs: torch.Tensor | None        # [n, G, V] q of each draft; None: deterministic (one-hot q)
     match: list[int] | None = None    # [n] per row: how the draft was found (n-gram: match length)
     seconds: float = 0.0              # host time the source measured proposing ("row" sources)
+    host_len: list[int] | None = None # draft_len on the host, where the source has it (no device read)
 
 
 class DraftSource(Protocol):

@@ -85,7 +85,7 @@ class NgramSource:
                 lens[i], match[i] = len(got), m
         return Proposal(torch.tensor(drafts, dtype=torch.long, device=self.device).view(req.n, k),
                         torch.tensor(lens, dtype=torch.long, device=self.device), None, match,
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, lens)
 
     def probe(self, rows: int, depth: int, ctx: int):
         """A lookup for `rows` made-up rows (indexed before the first call), each one token longer
