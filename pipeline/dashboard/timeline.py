@@ -57,8 +57,7 @@ def _model_line(fig: go.Figure, name: str, model: Any, ctx: float, top: int, q: 
         name=name, x=grid, y=verify_line_ms(model, grid, q, ctx), mode="lines",
         line=dict(color=color, width=2, dash=dash),
         hovertemplate=(f"{(a + m) * 1e3:.3g} ms + {b * 1e3:.3g} ms·N + {h * 1e3:.3g} ms·max(0, N-{model.knee:g})"
-                       f" + {c * 1e3:.3g} ms·N·ctx + {getattr(model, 'kv_read_s', 0.0) * 1e3:.3g} ms·rows·ctx"
-                       f"<br>N=%{{x}}: %{{y:.2f}} ms<extra></extra>")))
+                       f" + {c * 1e3:.3g} ms·N·ctx<br>N=%{{x}}: %{{y:.2f}} ms<extra></extra>")))
 
 
 def policy_model(rows: Rows, device: str) -> Any:

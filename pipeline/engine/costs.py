@@ -22,8 +22,7 @@ import statistics
 import time
 from collections import deque
 
-from pipeline.spec_decode.cost import (MIN_LOCAL, CostModel, LocalCorrection, context_bucket, fit_cost_model,
-                                       rows_bucket, step_seconds)
+from pipeline.spec_decode.cost import CostModel, LocalCorrection, fit_cost_model, step_seconds
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -47,9 +46,6 @@ class CostTracker:
         self._fit_s = 0.0                 # how long the last fit took
         self._new_steps = 0               # refining steps since the last fit ...
         self._new_work_s = 0.0            # ... and the step time they took
-        self._fitted: set[tuple] = set()  # the shapes (`shape_key`) the last fit saw
-        self._unfitted: dict[tuple, int] = {}   # steps since, at shapes it did not see
-        self._new_shape = False           # MIN_LOCAL of them at one shape: refit
         self.prompt_fills: deque[tuple[float, int]] = deque(maxlen=32)   # the heads' prompt fills: (s, tokens)
 
     def needs_profile(self) -> bool:
@@ -76,15 +72,11 @@ class CostTracker:
         refinement) once `refit_every` refining steps have run and their time is at least the
         last fit's / `refit_share`, so refitting costs at most that share of decoding; the local
         correction follows every step in between, so the smooth model only prices shapes not yet
-        run. Also refitted once MIN_LOCAL steps ran at a shape the last fit did not see: the
-        smooth model is all that prices a shape with n-gram rows, and a window of plain steps
-        says little about a 6-token verify (a bounded number of refits: one per new shape)."""
+        run."""
         due = self._new_steps >= self.refit_every and self._new_work_s * self.refit_share >= self._fit_s
-        if self._model is None or due or self._new_shape:
+        if self._model is None or due:
             t0 = time.perf_counter()
-            window = list(self.steps)[-self.fit_steps:]
-            self._model = fit_cost_model(window, profile=self.profile, local=self.local)
-            self._fitted, self._unfitted, self._new_shape = {shape_key(s) for s in window}, {}, False
+            self._model = fit_cost_model(list(self.steps)[-self.fit_steps:], profile=self.profile, local=self.local)
             self._fit_s = time.perf_counter() - t0
             self.fits += 1
             self.fit_seconds += self._fit_s
@@ -99,9 +91,6 @@ class CostTracker:
         so it joins the fit window (verify priced by the tokens it computed, drafting by
         source) but neither the per-gamma correction nor the drift check."""
         self.steps.append(step)
-        if (key := shape_key(step)) not in self._fitted:
-            self._unfitted[key] = self._unfitted.get(key, 0) + 1
-            self._new_shape = self._new_shape or self._unfitted[key] >= MIN_LOCAL
         if refine:
             self._new_steps += 1
             self._new_work_s += step.verify_s + step.draft_s
@@ -146,8 +135,3 @@ class CostTracker:
         elif abs(utilization - self.baseline_util) > self.util_jump:
             self.stale_reason = (f"utilisation moved from {self.baseline_util:.2f} to {utilization:.2f} "
                                  "since the cost profile")
-
-
-def shape_key(step) -> tuple:
-    """A step's shape for refitting: (rows bucket, tokens per row rounded, context octave)."""
-    return rows_bucket(step.rows), round(step.query_len), context_bucket(step.context_len)

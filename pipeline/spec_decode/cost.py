@@ -3,10 +3,9 @@
 verify_s(rows, q, ctx): a target forward over rows x q tokens against ctx cached tokens. On an
 accelerator it is flat while memory-bound (weights are read once whatever the batch) and rises
 once compute-bound; so it is a hinge in N = rows * q (knee by grid search over the measured N),
-plus a fixed extra cost m of a multi-token verify over one-token decoding, plus attention: its
-compute per verified token and context token (c), and reading each row's cache once (r):
+plus a fixed extra cost m of a multi-token verify over one-token decoding, plus attention:
 
-    verify_s = a + m * [q > 1] + b * N + h * max(0, N - knee) + c * N * ctx + r * rows * ctx   (all >= 0)
+    verify_s = a + m * [q > 1] + b * N + h * max(0, N - knee) + c * N * ctx     (all >= 0)
 
 draft_s(rows, gamma, ctx): the heads' drafting (a step's draft time less its lookups, below):
 every head's fill over the tokens accepted last step (about rows * (gamma + 1)), attending to
@@ -26,10 +25,8 @@ checks), measured on real steps only and paid once per step however many tokens 
 
 Fits minimise relative error under non-negativity. The start-up profile (bare forwards, every
 shape) is fitted together with the real steps (everything around the forwards, only the shapes
-chosen), the profile weighted `profile_weight`, the real steps of one shape SHAPE_WEIGHT at
-most in all (a window of 500 plain steps otherwise outvotes the few multi-token ones); each
-part is then rescaled by the median of real / predicted: the profile gives the shape of the
-costs, the real steps their level.
+chosen), the profile weighted `profile_weight`; each part is then rescaled by the median of
+real / predicted: the profile gives the shape of the costs, the real steps their level.
 
 A smooth model is off by tens of percent at some shapes, so `LocalCorrection` multiplies it by
 the median measured / modelled whole-step time of the last `KEEP_LOCAL` steps at each (gamma,
@@ -49,7 +46,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -57,7 +54,6 @@ import torch
 CTX_SPAN = 1.5          # contexts must differ by this factor before a cost's slope along context is fitted
 MIN_LOCAL = 4           # real steps at a (gamma, rows, context) bucket before they correct the model there
 KEEP_LOCAL = 16         # the most recent steps per bucket that do
-SHAPE_WEIGHT = 8        # what the steps of one shape weigh in a fit at most (row-steps' worth)
 REVISIT_STEPS = 32      # a bucket run again after this many steps elsewhere: its old steps give way (below)
 
 
@@ -83,10 +79,9 @@ def _constant(col: torch.Tensor) -> bool:
     return bool((col - col[0]).abs().max() <= 1e-12 * max(1.0, float(col.abs().max())))
 
 
-def _verify_features(n: torch.Tensor, multi: torch.Tensor, ctx: torch.Tensor, knee: float,
-                     rows: torch.Tensor) -> torch.Tensor:
-    """Columns for a, m, b, h, c, r."""
-    return torch.stack([torch.ones_like(n), multi, n, (n - knee).clamp(min=0), n * ctx, rows * ctx], dim=1)
+def _verify_features(n: torch.Tensor, multi: torch.Tensor, ctx: torch.Tensor, knee: float) -> torch.Tensor:
+    """Columns for a, m, b, h, c."""
+    return torch.stack([torch.ones_like(n), multi, n, (n - knee).clamp(min=0), n * ctx], dim=1)
 
 
 @dataclass(frozen=True)
@@ -96,7 +91,6 @@ class CostModel:
     draft_coef: tuple[float, float, float, float]      # d, e, f, g
     samples: int
     multi_token_s: float = 0.0                         # m
-    kv_read_s: float = 0.0                             # r: per row per cached token, whatever its tokens
     draft_ctx_s: float = 0.0                           # k
     overhead_coef: tuple[float, float] = (0.0, 0.0)    # o0, o1: per step, per row in the step
     lookup_row_s: float = 0.0                          # l: host-side drafting per row (n-gram lookup, choice)
@@ -117,8 +111,7 @@ class CostModel:
     def verify_s(self, rows: int, q: int, ctx: float) -> float:
         a, b, h, c = self.verify_coef
         n = rows * q
-        return (a + self.multi_token_s * (q > 1) + b * n + h * max(0.0, n - self.knee) + c * n * ctx
-                + self.kv_read_s * rows * ctx)
+        return a + self.multi_token_s * (q > 1) + b * n + h * max(0.0, n - self.knee) + c * n * ctx
 
     def draft_s(self, rows: int, gamma: int, ctx: float = 0.0) -> float:
         if gamma <= 0:
@@ -281,22 +274,22 @@ def _thin(values: list[float], most: int) -> list[float]:
     return [values[i] for i in sorted(set(picks))]
 
 
-def _fit_verify(n, multi, ctx, y, weight, knee, rows):
-    x = _verify_features(n, multi, ctx, knee, rows)
+def _fit_verify(n, multi, ctx, y, weight, knee):
+    x = _verify_features(n, multi, ctx, knee)
     coef = nnls(x, y, weight)
     return float((((x @ coef) - y) ** 2 * weight).sum()), knee, coef
 
 
-def best_knee_fit(n, multi, ctx, y, weight, rows, most: int = 8):
+def best_knee_fit(n, multi, ctx, y, weight, most: int = 8):
     """Grid search for the hinge over the distinct measured N: a coarse pass over `most`
     quantiles, then a fine pass between the best one's neighbours (2 x `most` fits at most)."""
     values = sorted(set(n.tolist()))
     coarse = _thin(values, most)
-    fits = [_fit_verify(n, multi, ctx, y, weight, k, rows) for k in coarse]
+    fits = [_fit_verify(n, multi, ctx, y, weight, k) for k in coarse]
     i = min(range(len(fits)), key=lambda j: fits[j][0])
     lo, hi = coarse[max(i - 1, 0)], coarse[min(i + 1, len(coarse) - 1)]
     fine = [v for v in _thin([v for v in values if lo <= v <= hi], most) if v not in coarse]
-    fits += [_fit_verify(n, multi, ctx, y, weight, k, rows) for k in fine]
+    fits += [_fit_verify(n, multi, ctx, y, weight, k) for k in fine]
     return min(fits, key=lambda f: f[0])
 
 
@@ -308,8 +301,7 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
     `local`: the steps measured per shape (the engine keeps them across fits; rebased onto the
     new model here); default: a correction built from `steps`.
     Returns None with fewer than 3 distinct verify shapes (nothing to fit yet)."""
-    real = [s for s in steps if s.verify_s > 0]
-    records = _balanced(real) + [(s, profile_weight) for s in profile if s.verify_s > 0]
+    records = [(s, 1.0) for s in steps if s.verify_s > 0] + [(s, profile_weight) for s in profile if s.verify_s > 0]
     if len({(s.rows, s.query_len) for s, _ in records}) < 3:
         return None
     f64 = dict(dtype=torch.float64)
@@ -318,8 +310,7 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
     ctx = torch.tensor([float(s.context_len) for s, _ in records], **f64)
     y = torch.tensor([s.verify_s for s, _ in records], **f64)
     w = torch.tensor([w for _, w in records], **f64)
-    rows = torch.tensor([float(s.rows) for s, _ in records], **f64)
-    _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2, rows)
+    _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2)
     drafted = [(s, wt) for s, wt in records if s.gamma > 0 and heads_draft_s(s) > 0]
     dcoef = torch.zeros(5, **f64)
     if drafted:
@@ -330,11 +321,12 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
         if not _spans([s.context_len for s, _ in drafted]):
             xd[:, 4] = 0.0                 # one context: its slope is not identified (NNLS would guess it)
         dcoef = nnls(xd, yd, wd / yd.clamp(min=1e-6) ** 2)
-    a, m, b, h, c, r = vcoef.tolist()
+    a, m, b, h, c = vcoef.tolist()
     *dcoef, k = dcoef.tolist()
-    model = CostModel((a, b, h, c), knee, tuple(dcoef), len(records), multi_token_s=m, kv_read_s=r, draft_ctx_s=k,
+    model = CostModel((a, b, h, c), knee, tuple(dcoef), len(records), multi_token_s=m, draft_ctx_s=k,
                       overhead_coef=_fit_overhead([s for s in steps if getattr(s, "overhead_s", 0.0) > 0]),
                       lookup_row_s=_fit_lookup(steps) or _fit_lookup(profile))
+    real = [s for s in steps if s.verify_s > 0]
     model = rescale_to(model, real)
     if local is None:
         local = LocalCorrection()
@@ -342,17 +334,6 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
             local.add(s)
     local.rebase(model)
     return replace(model, local=local)
-
-
-def _balanced(steps, most: int = SHAPE_WEIGHT) -> list[tuple]:
-    """(step, weight) with the steps of each shape (rows, tokens per row, context octave) weighing
-    `most` in all at most, so the shape a window is full of does not drown the others.
-    Example: 500 plain steps at 1 row and 20 at 4 tokens per row: the plain ones weigh 8/500
-    each, the others 8/20; a fit over the raw counts priced the 4-token verify from the plain
-    steps' context slope, at 60% of what it measured (docs/decisions.md, 2026-12-02)."""
-    keys = [(s.rows, round(s.query_len, 1), context_bucket(s.context_len)) for s in steps]
-    count = Counter(keys)
-    return [(s, min(count[k], most) / count[k]) for s, k in zip(steps, keys)]
 
 
 def _spans(values, ratio: float = CTX_SPAN) -> bool:
@@ -391,5 +372,4 @@ def rescale_to(model: CostModel, real) -> CostModel:
                           for s in drafted) if drafted else 1.0
     return replace(model, verify_coef=tuple(x * v for x in model.verify_coef),
                    draft_coef=tuple(x * d for x in model.draft_coef), multi_token_s=model.multi_token_s * v,
-                   kv_read_s=model.kv_read_s * v,
                    draft_ctx_s=model.draft_ctx_s * d)
