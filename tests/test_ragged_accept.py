@@ -3,7 +3,7 @@ import torch
 
 from pipeline.spec_decode.acceptance import greedy_accept
 from pipeline.spec_decode.acceptance import PAD, rejection_sample_ragged
-from pipeline.spec_decode.row_drafts import draft_lengths, keep_probs, padded_lengths
+from pipeline.spec_decode.row_drafts import cumulative, draft_lengths, padded_lengths, rows_p
 from pipeline.spec_decode.stats import SpecStats, add_ragged_counts
 from tests.stats_util import chi_square_pvalue
 
@@ -64,11 +64,11 @@ def test_mixed_rows_and_counts_sample_the_target_exactly():
 
 
 def test_draft_lengths_worked_example():
-    p = torch.tensor([[0.9, 0.8], [0.2, 0.0]], dtype=torch.float64)
+    p = [[0.9, 0.8], [0.2, 0.0]]
     assert draft_lengths(p, base_s=10.0, token_s=1.0) == [2, 0]
     assert draft_lengths(p, base_s=10.0, token_s=0.01) == [2, 1]    # drafts nearly free
     assert draft_lengths(p, base_s=10.0, token_s=9.0) == [0, 0]     # compute-bound: none pay
-    assert keep_probs([[0.5, 0.5, 0.5]], [2]) == [[0.5, 0.25, 0.0]]
+    assert rows_p(cumulative([0.5, 0.5, 0.5]), 2) == [0.5, 0.25, 0.0]
     assert padded_lengths([[0.9, 0.8], [0.2, 0.0]], base_s=10.0, token_s=1.0) == [2, 1]   # its docstring's example
     assert padded_lengths([[0.9, 0.8], [0.2, 0.0]], base_s=10.0, token_s=9.0) == [0, 0]
 

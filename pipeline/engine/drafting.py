@@ -111,8 +111,8 @@ class DraftPlanner:
         if width > g:
             drafts = torch.cat([drafts, torch.full((n, width - g), PAD, dtype=torch.long, device=dev)], dim=1)
         lens_t = torch.tensor(lens, device=dev)
-        probs, ran, any_mtp = None, 0, any(use_mtp)
-        if any_mtp:
+        probs, ran = None, 0
+        if any(use_mtp):
             prop = mtp.propose(DraftRequest(n, lengths, mtp_gamma, pick, rows))
             ran = mtp_gamma
             um = torch.tensor(use_mtp, device=dev)

@@ -44,14 +44,9 @@ def cumulative(acceptance: list[float]) -> list[float]:
     return list(accumulate(acceptance, lambda p, a: p * a))
 
 
-def keep_probs(acceptance, avail) -> list[list[float]]:
-    """acceptance [n][G] per-depth a_k of each row's source, avail [n] its proposal's length ->
-    P [n][G], 0 beyond avail. Example: a [[0.5, 0.5, 0.5]], avail [2] -> [[0.5, 0.25, 0]]."""
-    return [rows_p(cumulative(list(map(float, a))), int(k)) for a, k in zip(acceptance, avail)]
-
-
 def rows_p(cum: list[float], avail: int) -> list[float]:
-    """One row's P from its source's cumulative acceptance: zero beyond its `avail` drafts."""
+    """One row's P from its source's cumulative acceptance (`cumulative`), zero beyond its
+    proposal's `avail` drafts. Example: cumulative([0.5, 0.5, 0.5]), avail 2 -> [0.5, 0.25, 0]."""
     return cum[:avail] + [0.0] * (len(cum) - avail)
 
 
@@ -70,9 +65,8 @@ def leading(row: list[float]) -> int:
     return k
 
 
-def draft_lengths(p, base_s: float, token_s: float, first_s: float = 0.0, min_gain: float = 0.0) -> list[int]:
+def draft_lengths(p: list[list[float]], base_s: float, token_s: float, first_s: float = 0.0, min_gain: float = 0.0) -> list[int]:
     """P [n][G] -> drafts to verify per row [n] (module docstring); rows with P 0 get 0."""
-    p = [list(map(float, row)) for row in p]
     n = len(p)
     flat = sorted(((x, i) for i, row in enumerate(p) for x in row if x > 0), key=lambda t: -t[0])
     if not flat:
@@ -89,12 +83,11 @@ def draft_lengths(p, base_s: float, token_s: float, first_s: float = 0.0, min_ga
     return lens
 
 
-def padded_lengths(p, base_s: float, token_s: float, first_s: float = 0.0, min_gain: float = 0.0) -> list[int]:
+def padded_lengths(p: list[list[float]], base_s: float, token_s: float, first_s: float = 0.0, min_gain: float = 0.0) -> list[int]:
     """Drafts per row when every row verifies W + 1 slots (a padded verify prices the width,
     not the drafts): W maximises (rows + sum_{j<W} P_ij) / (base_s + first_s + rows * W * token_s),
     and each row drafts what it has below W. Example: P [[0.9, 0.8], [0.2, 0]], base 10, token 1:
     W=1: 3.1 / 12 = 0.26, W=2: 3.9 / 14 = 0.28, plain 2 / 10 -> W=2, lengths [2, 1]."""
-    p = [list(map(float, row)) for row in p]
     n = len(p)
     if n == 0 or not p[0]:
         return [0] * n
