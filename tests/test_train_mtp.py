@@ -114,3 +114,21 @@ def test_train_mtp_recipe_writes_heads_into_checkpoint(tmp_path):
     prior = read_spec_prior(path)          # the heads' held-out acceptance ships with them
     assert prior and prior["*"][0][0] > 0 and all(a <= r for a, r in zip(prior["*"][1], prior["*"][0]))
     assert (tmp_path / "work" / "sequences.pt").exists() and (tmp_path / "work" / "mtp_train.pt").exists()
+
+
+def test_cached_hidden_states_equal_the_per_step_forward(tiny):
+    """The heads' training reads the frozen target's states from a once-computed cache; a
+    batch stacked from it equals the target's forward over that batch on every real position."""
+    from pipeline.training.train_mtp import cached_hidden, stack_hidden
+    _, loaded, seqs, _ = tiny
+    ragged = [(ids[: 10 + i], p) for i, (ids, p) in enumerate(seqs[:7])]   # lengths 10..16
+    cache = cached_hidden(loaded.target, ragged, batch_size=3, bf16=False)
+    assert [c.shape[0] for c in cache] == [len(ids) for ids, _ in ragged]
+    picks = [6, 0, 3, 0]
+    ids, w, _ = collate([ragged[i] for i in picks], 1.0)
+    with torch.no_grad():
+        want = loaded.target.forward_full(ids)
+    got = stack_hidden([cache[i] for i in picks], ids.shape[1])
+    real = w > 0
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+    assert got[~real].eq(0).all()

@@ -1,7 +1,12 @@
 """Rebuild the shipped demo from scratch: dataset, tokenizer, base model, MTP heads.
 
+Stages: the held-out dataset (`data`), a BPE tokenizer, a small Llama trained from scratch
+(`base`), task fine-tuning (`sft`), optionally grown deeper and trained at that depth
+(`deepen`, pipeline/demo/grow.py: a deep target at the cost of training a shallow one), the MTP
+head (`mtp`), bfloat16 weights on disk (`store`) and the held-out acceptance report (`eval`).
+
     python -m pipeline.run +job=build_demo          # the Hydra job (conf/job/build_demo.yaml)
-    python -m pipeline.demo.build [--work-dir DIR] [--stages data,tokenizer,base,mtp,eval]
+    python -m pipeline.demo.build [--work-dir DIR] [--stages data,tokenizer,base,sft,deepen,mtp,eval]
     python -m pipeline.demo.build --stages vocab    # only a draft vocabulary for the shipped heads
     python -m pipeline.demo.build --stages store,eval   # re-store the weights, re-measure what ships
 
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
-STAGES = ("data", "tokenizer", "base", "sft", "mtp", "store", "eval")
+STAGES = ("data", "tokenizer", "base", "sft", "deepen", "mtp", "store", "eval")
 EXTRA_STAGES = ("vocab",)   # on request only: a draft vocabulary for heads built before they had one
 
 
@@ -36,6 +41,7 @@ class BuildSpec:
     sft: dict = field(default_factory=dict)        # SFT_SPEC overrides (task fine-tuning)
     model: dict = field(default_factory=dict)      # BaseModelSpec overrides
     mtp: dict = field(default_factory=dict)        # MTPTrainSpec overrides
+    deepen: dict = field(default_factory=dict)     # num_layers (0: no deepen stage) + DEEPEN_SPEC overrides
     eval: dict = field(default_factory=dict)       # evaluate_acceptance keyword overrides
     draft_vocab_size: int = 2048      # the "vocab" stage's size (the mtp stage uses mtp.draft_vocab_size)
     store_dtype: str = "bfloat16"     # the "store" stage's weight dtype on disk (loads compute in float32)
@@ -47,7 +53,7 @@ def build(spec: BuildSpec, log=print) -> dict:
     from pipeline.demo.corpus import demo_rows, tokenizer_texts, write_demo_parquet
     from pipeline.demo.extract import extract_functions
     from pipeline.demo.tokenizer import train_tokenizer
-    from pipeline.demo.train_base import (SFT_SPEC, BaseModelSpec, BaseTrainSpec, sft_examples,
+    from pipeline.demo.train_base import (DEEPEN_SPEC, SFT_SPEC, BaseModelSpec, BaseTrainSpec, sft_examples,
                                           train_base_model)
 
     from pipeline.model.loader import resolve_device
@@ -89,6 +95,20 @@ def build(spec: BuildSpec, log=print) -> dict:
                          log=log, init_dir=base_dir, name="sft", device=str(dev))
         times["sft"] = time.time() - t
     trained_dir = sft_dir if (sft_dir / "config.json").exists() else base_dir
+    deep = dict(spec.deepen)
+    deep_layers, deep_dir = int(deep.pop("num_layers", 0) or 0), work / "deep_model"
+    if "deepen" in spec.stages and deep_layers and not (deep_dir / "config.json").exists():
+        from pipeline.demo.grow import grow_checkpoint
+        t = time.time()
+        grown = grow_checkpoint(trained_dir, work / "grown_init", deep_layers)
+        deepen_spec = replace(DEEPEN_SPEC, **{"seed": spec.seed, **deep})
+        tokenizer, examples = _examples(tok_dir, records, deepen_spec.block_len)
+        log(f"deepen: {trained_dir.name} grown to {deep_layers} layers")
+        train_base_model(sft_examples(examples), tokenizer, deep_dir, work, model_spec, deepen_spec,
+                         log=log, init_dir=grown, name="deepen", device=str(dev))
+        times["deepen"] = time.time() - t
+    if deep_layers and (deep_dir / "config.json").exists():
+        trained_dir = deep_dir
     if "mtp" in spec.stages:
         from pipeline.demo.mtp_prompts import stdlib_prompts
         from pipeline.training.train_mtp import MTPTrainSpec, train_mtp_into

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +51,12 @@ class BaseTrainSpec:
 # third of the raw sources, a short decaying schedule from a lower peak.
 SFT_SPEC = BaseTrainSpec(steps=220, lr=1e-3, warmup=10, min_lr_ratio=0.05, answer_weight=1.0,
                          prompt_weight=0.25, summary_repeat=3)
+
+
+# Depth up-scaling (pipeline.demo.grow) after task fine-tuning: the grown model trains on the
+# fine-tuning mix with the fine-tuning peak, long enough for the new (zero-output) layers to
+# take part. Steps and peak: docs/decisions.md (2026-12-02, stop 29).
+DEEPEN_SPEC = replace(SFT_SPEC, steps=300, warmup=20, min_lr_ratio=0.1)
 
 
 def sft_examples(examples: list[Example]) -> list[Example]:
@@ -117,6 +123,19 @@ def weighted_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch
     """logits [B, T, V], targets [B, T], weights [B, T] -> weighted mean cross-entropy."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
     return (ce * weights.flatten()).sum() / weights.sum().clamp_min(1.0)
+
+
+def chunked_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, weights: torch.Tensor,
+                    chunk: int = 2048) -> torch.Tensor:
+    """`weighted_lm_loss` of head(hidden), `chunk` tokens of logits at a time: hidden [B, T, H],
+    targets and weights [B, T]. The full [B, T, V] logits in float32 (200 MB at 16 x 512 x 6144)
+    and their copies cost ~15% of a CPU training step; chunks of them stay in cache. Same value."""
+    h, t, w = hidden.flatten(0, 1), targets.flatten(), weights.flatten()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, h.shape[0], chunk):
+        ce = F.cross_entropy(head(h[s:s + chunk]).float(), t[s:s + chunk], reduction="none")
+        total = total + (ce * w[s:s + chunk]).sum()
+    return total / w.sum().clamp_min(1.0)
 
 
 def lr_at(step: int, spec: BaseTrainSpec) -> float:
@@ -192,8 +211,8 @@ def train_base_model(examples: list[Example], tokenizer, out_dir: Path, work_dir
         for g in opt.param_groups:
             g["lr"] = lr_at(step, spec)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=spec.bf16):
-            logits = model(input_ids=ids).logits
-        loss = weighted_lm_loss(logits, targets, weights)
+            hidden = model.model(input_ids=ids).last_hidden_state
+            loss = chunked_lm_loss(hidden, model.lm_head, targets, weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
