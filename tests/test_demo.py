@@ -177,3 +177,17 @@ def test_store_stage_halves_the_weights_and_loads_in_float32(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.target.logits(loaded.target.forward_full(ids)), hf(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_lm_loss_is_the_weighted_mean_cross_entropy():
+    """Logits made a chunk at a time (chunks not dividing the tokens) give the loss of the whole
+    [B, T, V] logits: sum of weight x cross-entropy over the sum of weights."""
+    from pipeline.demo.train_base import chunked_lm_loss
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden, targets = torch.randn(3, 7, 8, generator=g), torch.randint(0, 11, (3, 7), generator=g)
+    weights = torch.rand(3, 7, generator=g)
+    ce = torch.nn.functional.cross_entropy(head(hidden).flatten(0, 1), targets.flatten(), reduction="none")
+    want = (ce * weights.flatten()).sum() / weights.sum()
+    for chunk in (1, 5, 21, 64):
+        torch.testing.assert_close(chunked_lm_loss(hidden, head, targets, weights, chunk=chunk), want)

@@ -65,9 +65,8 @@ def grow_checkpoint(src_dir: Path, out_dir: Path, new_layers: int) -> Path:
     for f in sorted(Path(src_dir).glob("*.safetensors")):
         state.update({k: v.float() for k, v in load_file(str(f)).items()})
     cfg.num_hidden_layers = new_layers
-    for k in ("num_nextn_predict_layers",):          # the heads stay behind (grown_state_dict)
-        if hasattr(cfg, k):
-            delattr(cfg, k)
+    if hasattr(cfg, "num_nextn_predict_layers"):     # the heads stay behind (grown_state_dict)
+        delattr(cfg, "num_nextn_predict_layers")
     model = LlamaForCausalLM(cfg)
     grown = grown_state_dict(state, old, new_layers)
     if cfg.tie_word_embeddings:

@@ -119,17 +119,11 @@ def block_tensors(examples: list[Example], block, block_len: int, answer_weight:
     return ids[:-1], ids[1:], w[1:]
 
 
-def weighted_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """logits [B, T, V], targets [B, T], weights [B, T] -> weighted mean cross-entropy."""
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-    return (ce * weights.flatten()).sum() / weights.sum().clamp_min(1.0)
-
-
 def chunked_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, weights: torch.Tensor,
                     chunk: int = 2048) -> torch.Tensor:
-    """`weighted_lm_loss` of head(hidden), `chunk` tokens of logits at a time: hidden [B, T, H],
-    targets and weights [B, T]. The full [B, T, V] logits in float32 (200 MB at 16 x 512 x 6144)
-    and their copies cost ~15% of a CPU training step; chunks of them stay in cache. Same value."""
+    """Weighted mean cross-entropy of head(hidden) against targets: hidden [B, T, H], targets and
+    weights [B, T]. The logits are made `chunk` tokens at a time: the full [B, T, V] logits in
+    float32 (200 MB at 16 x 512 x 6144) and their copies cost ~15% of a CPU training step."""
     h, t, w = hidden.flatten(0, 1), targets.flatten(), weights.flatten()
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, h.shape[0], chunk):
