@@ -105,7 +105,8 @@ def test_auto_policy_records_a_decision_per_step(root):
             d.gamma > 0 and d.measuring and f"re-measuring gamma {d.gamma}" in d.reason
             and top <= d.predicted_goodput[0] * (1 + margin)) or (   # or exploring where the mean picks gamma 0
             d.gamma > 0 and d.exploring and f"exploring gamma {d.gamma}" in d.reason
-            and top <= d.predicted_goodput[0] * (1 + margin))
+            and top <= d.predicted_goodput[0] * (1 + margin)) or (   # or one depth past the argmax, exploring
+            d.exploring and "one depth deeper" in d.reason and d.predicted_goodput[d.gamma - 1] == top)
     assert any(not d.measuring for d in decided)
 
 

@@ -346,6 +346,33 @@ def test_at_gamma_0_a_speculative_price_is_re_measured_within_its_budget():
     assert steps >= MIN_LOCAL * loss / policy.remeasure_share - MIN_LOCAL     # not before its budget
     assert spec > MIN_LOCAL and policy.choose(ctx) > 0 and not policy.decisions[-1].measuring   # speculating
 
+def test_re_measures_share_one_budget_over_every_bucket():
+    """A batch draining through many rows buckets, each priced long ago, re-measures one bucket
+    per budget window, not every bucket it passes (before: all 9 here, 36 of 36 steps)."""
+    local = LocalCorrection()
+    measured = replace(model(a=1e-3, b=5e-3, draft=(1e-3, 1e-5, 1e-3, 1e-5)), local=local)   # compute-bound
+    prior = SpecStats()
+    prior.reached, prior.accepted = [1000] * GMAX, [500] * GMAX
+    sizes = (48, 37, 26, 19, 13, 9, 7, 6, 4)                 # nine rows buckets
+    for r in sizes:
+        for g in (0, 1):
+            _timed_steps(local, measured, g, 1e3 * measured.modelled_step_s(r, g, 100), MIN_LOCAL, rows=r)
+    for _ in range(2000):                                    # a long call elsewhere: every price ages
+        local.add(StepRecord(0, 1, 1, 100, 1e-3, 0.0, 1), measured)
+    policy = GoodputPolicy(GMAX, lambda: measured, prior)
+    gammas = []
+    for r in sizes:
+        for _ in range(MIN_LOCAL):
+            g = policy.choose(StepContext(rows=r, context_len=100, stats=SpecStats()))
+            gammas.append(g)
+            _timed_steps(local, measured, g, 1e3 * measured.modelled_step_s(r, g, 100), 1, rows=r)
+    remeasured = [d for d in policy.decisions if d.measuring and "re-measuring gamma 1" in d.reason]
+    assert len(remeasured) == MIN_LOCAL                      # one re-measure, all its steps
+    assert sum(gammas) == MIN_LOCAL and gammas[:MIN_LOCAL] == [1] * MIN_LOCAL
+    loss = 1 - remeasured[0].predicted_goodput[1] / remeasured[0].predicted_goodput[0]
+    assert local.next_remeasure >= local.clock - len(gammas) + MIN_LOCAL * loss / policy.remeasure_share
+
+
 def test_steps_at_a_callers_fixed_gamma_do_not_age_the_policys_prices():
     """Prices age by the policy's own steps: an engine's fixed-gamma calls between two auto
     calls price the buckets they run, but leave the others as fresh as the auto call left them,
@@ -426,6 +453,34 @@ def test_plain_decoding_by_a_weak_estimate_explores_and_a_strong_one_does_not():
     assert strong.choose(ctx) == 0
     blind = GoodputPolicy(GMAX, lambda: MARGINAL, prior=_prior(1), calibrated=True, optimism=0)
     assert blind.choose(ctx) == 0
+
+
+def test_depths_the_prior_never_saw_are_explored_one_deeper_until_seen():
+    """A prior measured at gamma 3 (as a checkpoint's held-out report may be) says nothing of
+    depths 4 and 5: where the mean picks gamma 3 but the optimistic view picks 5, gamma 4 runs;
+    once depth 4 has been seen often enough the deviation is gone and the mean decides. Without
+    optimism the policy never drafts past the prior's depth."""
+    cost = model(a=10e-3, b=0.5e-3, draft=(3e-3, 0.0, 3e-3, 0.0))
+    prior = SpecStats([30, 26, 22], [26, 22, 18])                      # depths 1..3, a ~0.85
+    ctx = StepContext(rows=1, context_len=50, stats=SpecStats())
+    policy = GoodputPolicy(GMAX, lambda: cost, prior=prior, calibrated=True)
+    assert policy.choose(ctx) == 4
+    d = policy.decisions[-1]
+    assert d.exploring and "one depth deeper" in d.reason
+    assert d.predicted_goodput[3] == max(d.predicted_goodput)         # the mean's choice is 3
+    blind = GoodputPolicy(GMAX, lambda: cost, prior=prior, calibrated=True, optimism=0)
+    assert blind.choose(ctx) == 3
+    stats, rng = SpecStats(), random.Random(0)                         # depth 4 accepts 0.5 of the time
+    for _ in range(300):
+        g = policy.choose(StepContext(rows=1, context_len=50, stats=stats))
+        if g:
+            run = 0
+            while run < g and rng.random() < (0.85 if run < 3 else 0.5):
+                run += 1
+            stats.observe_acceptance(g, torch.tensor([run]))
+    deeper = [i for i, d in enumerate(policy.decisions) if "one depth deeper" in d.reason]
+    assert 0 < len(deeper) <= 60 and deeper[-1] < 200                 # bounded, and over by itself
+    assert policy.decisions[-1].gamma <= 4 and not policy.decisions[-1].exploring
 
 
 @pytest.mark.parametrize("accept_rate, speculates", [(0.55, False), (0.9, True)])

@@ -106,10 +106,11 @@ def test_train_mtp_recipe_writes_heads_into_checkpoint(tmp_path):
         "data": {"path": str(tmp_path / "p.parquet"), "template": "{text}", "prompt_column": "prompt"},
         "mtp": {"work_dir": str(tmp_path / "work"), "threads": 1, "prompt_source": "data",
                 "num_heads": 1, "depths": 2, "steps": 3, "batch_size": 4, "num_prompts": 8,
-                "num_eval": 4, "max_new_tokens": 6, "bf16": False}})
+                "num_eval": 4, "max_new_tokens": 6, "bf16": False, "draft_vocab_size": 64}})
     assert main(cfg) == 0
     loaded = load_model(path)
     assert len(loaded.heads) == 1
+    assert loaded.draft_vocab.numel() == 64        # the subset the heads trained over is stored with them
     from pipeline.model.spec_prior import read_spec_prior
     prior = read_spec_prior(path)          # the heads' held-out acceptance ships with them
     assert prior and prior["*"][0][0] > 0 and all(a <= r for a, r in zip(prior["*"][1], prior["*"][0]))
@@ -132,3 +133,59 @@ def test_cached_hidden_states_equal_the_per_step_forward(tiny):
     real = w > 0
     torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
     assert got[~real].eq(0).all()
+
+
+def test_heads_train_over_the_draft_vocabulary(tiny):
+    """Over a draft vocabulary the heads' logits are the full logits at the subset, the loss is
+    KL to the teacher renormalised over it plus the argmax term where the teacher's argmax lies
+    inside, and a draft is scored by its full-vocabulary id (as the engine drafts)."""
+    import torch.nn.functional as F
+
+    from pipeline.training.mtp_math import distill_loss
+    _, loaded, seqs, _ = tiny
+    ids, w, gen = collate(seqs[:4], 1.0)
+    torch.manual_seed(0)
+    head = MTPHead.from_target(loaded.target)
+    with torch.no_grad():
+        hidden = loaded.target.forward_full(ids)
+        teacher = loaded.target.logits(hidden)
+        full = unrolled_head_logits([head], hidden, ids, 2)
+        vocab = torch.arange(3, 128, 2)                       # every other token
+        sub = unrolled_head_logits([head], hidden, ids, 2, vocab)
+    for a, b in zip(full, sub):
+        torch.testing.assert_close(b, a[..., vocab], rtol=1e-5, atol=1e-5)
+
+    lg, tl, wt = sub[0], teacher[:, 1:], w[:, 1:]
+    logp = F.log_softmax(tl[..., vocab], -1)
+    logq = F.log_softmax(lg, -1)
+    want = tl.argmax(-1)
+    inside = (want[..., None] == vocab).any(-1)
+    assert inside.any() and (~inside).any()                   # both cases occur in the check
+    slot = (want[..., None] == vocab).float().argmax(-1)
+    ce = -logq.gather(-1, slot[..., None]).squeeze(-1) * inside
+    per_pos = (logp.exp() * (logp - logq)).sum(-1) + 0.5 * ce
+    expect = (per_pos * wt).sum() / wt.sum()
+    torch.testing.assert_close(distill_loss(lg, tl, wt, 0.5, vocab), expect)
+
+    everything = torch.arange(128)                            # the whole vocabulary: the same as none
+    torch.testing.assert_close(distill_loss(full[0], tl, wt, 0.5, everything), distill_loss(full[0], tl, wt, 0.5))
+    accs = [teacher_forced_acceptance([head], hidden, teacher, ids, gen, 2, v) for v in (None, everything)]
+    assert accs[0] == accs[1]
+    # a vocabulary without the teacher's tokens accepts nothing
+    taken = set(teacher.argmax(-1).flatten().tolist())
+    assert teacher_forced_acceptance([head], hidden, teacher, ids, gen, 2,
+                                     torch.tensor(sorted(set(range(128)) - taken)))[0] == 0.0
+
+
+def test_training_over_a_draft_vocabulary_raises_acceptance(tiny, tmp_path):
+    _, loaded, train, _ = tiny
+    from pipeline.model.draft_vocab import choose_draft_vocab
+    vocab, counts = choose_draft_vocab([ids for ids, _ in train], 128, 48)
+    assert vocab.numel() == 48 and counts.sum() == sum(len(ids) for ids, _ in train)
+    spec = MTPTrainSpec(num_heads=1, depths=2, steps=100, batch_size=8, lr=3e-3, warmup=5,
+                        save_every=1000, bf16=False)
+    torch.manual_seed(0)
+    fresh = torch.nn.ModuleList([MTPHead.from_target(loaded.target)])
+    before = evaluate_heads(loaded.target, fresh, train, 2, vocab=vocab)
+    _, after = train_mtp_heads(loaded, train, train, spec, tmp_path, vocab=vocab)
+    assert after[0] > before[0] + 0.2

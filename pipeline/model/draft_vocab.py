@@ -71,6 +71,16 @@ def load_draft_vocab(checkpoint_dir, vocab_size: int) -> torch.Tensor | None:
     return ids
 
 
+def choose_draft_vocab(sequences: Iterable, vocab_size: int, size: int,
+                       always: Iterable[int] = ()) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the top `size` tokens of `sequences`, `always` included, or None where size is 0 or
+    covers the whole vocabulary; the token counts). Heads train over it and store it."""
+    counts = count_tokens(sequences, vocab_size)
+    if size <= 0 or size >= vocab_size:
+        return None, counts
+    return top_tokens(counts, size, always), counts
+
+
 def build_draft_vocab(checkpoint_dir, sequences: Iterable, size: int, source: str,
                       always: Iterable[int] = ()) -> Path | None:
     """Count `sequences` (the heads' corpus), keep the top `size` tokens (and `always`, e.g. EOS)
@@ -79,10 +89,8 @@ def build_draft_vocab(checkpoint_dir, sequences: Iterable, size: int, source: st
     root = Path(checkpoint_dir)
     vocab_size = json.loads((root / "config.json").read_text())["vocab_size"]
     (root / FILE).unlink(missing_ok=True)
-    if size <= 0 or size >= vocab_size:
-        return None
-    counts = count_tokens(sequences, vocab_size)
-    return save_draft_vocab(root, top_tokens(counts, size, always), source, counts)
+    ids, counts = choose_draft_vocab(sequences, vocab_size, size, always)
+    return None if ids is None else save_draft_vocab(root, ids, source, counts)
 
 
 def full_vocab_probs(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

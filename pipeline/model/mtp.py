@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -87,6 +88,12 @@ class MTPHead(DecoderLayer):
         if self.shared_head.head is not None:
             return self.shared_head.head(x).float()
         return self._target.logits(x)
+
+    def subset_logits(self, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., Vd] float32 logits at token ids `ids` [Vd]: `logits(out)[..., ids]`
+        without computing the rest (heads trained over a draft vocabulary)."""
+        weight = _output_weight(self.shared_head.head if self.shared_head.head is not None else self._target)
+        return F.linear(self.shared_head.norm(out), weight[ids]).float()
 
     def draft_logits(self, out: torch.Tensor):
         """[n, hidden] -> (logits [n, Vd] float32, ids [Vd]) over the draft vocabulary, or

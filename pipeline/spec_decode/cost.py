@@ -181,6 +181,7 @@ class LocalCorrection:
         self.ratios: dict[tuple, deque] = {}        # key -> measured / modelled of the same steps
         self.factors: dict[tuple, float] = {}       # key -> median ratio, keys with >= MIN_LOCAL
         self.clock = 0                              # policy steps added (`tick`), all buckets
+        self.next_remeasure = 0.0                   # clock before which no policy starts a re-measure
         self.last: dict[tuple, int] = {}            # key -> clock at its newest step
         self.visit: dict[tuple, int] = {}           # key -> steps since it was last revisited (or first run)
         self._by_rows: dict[int, list] = {}         # rows bucket -> measured (gamma, context bucket)

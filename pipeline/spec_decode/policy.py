@@ -18,7 +18,9 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
 - Exploring: plain decoding drafts nothing, so an acceptance estimate that picks it is never
   corrected. Where the mean picks gamma 0 but `optimism` posterior deviations more acceptance
   would speculate (a weak prior, a few drafts seen), the shallowest gamma that pays under that
-  view runs, re-decided every step; the deviation shrinks with each drafted row-step.
+  view runs, re-decided every step; the deviation shrinks with each drafted row-step. Likewise
+  deeper: gamma g observes no depth beyond g, so where that view picks deeper than the mean's
+  g >= 1, g + 1 runs.
 - A row's heads' prompt fill waits until the row first drafts (pipeline.engine.drafter), so
   the first speculative step pays it: `StepContext.waiting_fill_s`, the waiting fills' measured
   seconds per token their rows are expected to produce still (the median output length of the
@@ -40,7 +42,10 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   there are older than MIN_LOCAL * loss / `remeasure_share` engine steps (loss: how far it is
   predicted behind, at least `min_gain`). A price taken in a slow spell would otherwise keep a
   call at gamma 0 for good; the check costs at most `remeasure_share` of the steps, scaled by
-  the predicted loss.
+  the predicted loss. The budget is the engine's, not each bucket's: a re-measure starts only
+  once the last one's MIN_LOCAL * gap / `remeasure_share` steps have passed
+  (`LocalCorrection.next_remeasure`). Per bucket, a batch of 48 draining through ten rows
+  buckets after a long batch-1 call re-measured every one of them: 35 of 126 steps, 10%.
 - No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
   takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, the
   three shapes the model is then fitted from.
@@ -206,6 +211,8 @@ class GoodputPolicy:
                          ctx.waiting_fill_s)
         if d.gamma == 0 and self.optimism > 0:
             d = self._explore_upward(d, model, ctx, reached, accepted)
+        elif d.gamma < self.gamma_max and self.optimism > 0:
+            d = self._explore_deeper(d, model, ctx, reached, accepted)
         if model.local is not None:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
             d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len)
@@ -234,6 +241,26 @@ class GoodputPolicy:
                            f"(a1={d.acceptance[0]:.2f}), gamma {e.gamma} at {self.optimism:g} posterior "
                            f"deviation(s) more acceptance (a1={hi[0]:.2f}, {reached[0] if reached else 0} row-steps); "
                            f"the shallowest gamma that pays then",
+                        d.candidates, d.predicted_goodput, d.acceptance, exploring=True)
+
+    def _explore_deeper(self, d: Decision, model: CostModel, ctx: StepContext, reached, accepted) -> Decision:
+        """Where the mean picks gamma g >= 1 but `optimism` posterior deviations more acceptance
+        would pick a deeper gamma by more than `min_gain`, run g + 1: depths beyond the gamma run
+        are never observed, so a prior that is low there (another task's, pooled) would otherwise
+        hold the policy shallow for good. One depth at a time; the deviation shrinks as that
+        depth is seen, and near-ties are left alone (optimism would probe them for long).
+        Example: a fresh engine on json with the checkpoint's pooled prior (a_1 0.66) ran gamma 1
+        for most of a 4-prompt call where gamma 5 was 1.4x faster."""
+        hi = upper_acceptance(reached, accepted, self.gamma_max, self.optimism)
+        e = choose_gamma(model, hi, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart,
+                         ctx.waiting_fill_s)
+        if e.gamma <= d.gamma or e.predicted_goodput[e.gamma] <= e.predicted_goodput[d.gamma] * (1 + self.min_gain):
+            return d
+        g = d.gamma + 1
+        n = reached[g - 1] if len(reached) >= g else 0
+        return Decision(g, f"rows={ctx.rows}: exploring gamma {g}: gamma {d.gamma} by the mean, gamma {e.gamma} at "
+                           f"{self.optimism:g} posterior deviation(s) more acceptance ({n} row-steps at depth {g}); "
+                           f"one depth deeper",
                         d.candidates, d.predicted_goodput, d.acceptance, exploring=True)
 
     def _measure_runner_up(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
@@ -274,10 +301,15 @@ class GoodputPolicy:
         (they had an auto call run a gamma predicted 91% behind at a batch's tail)."""
         key = local.key(gamma, rows, ctx)
         done = self._remeasures.get(key, 0)
-        r = _remeasured(d, gamma, what, gap, local, rows, ctx, self.remeasure_share, 0 < done < MIN_LOCAL)
+        started = 0 < done < MIN_LOCAL
+        r = _remeasured(d, gamma, what, gap, local, rows, ctx, self.remeasure_share, started)
         if r is None:
             self._remeasures.pop(key, None)
             return d
+        if not started:                    # a new re-measure: one at a time over all buckets, each
+            if local.clock < local.next_remeasure:      # spaced by its own budget
+                return d
+            local.next_remeasure = local.clock + MIN_LOCAL * gap / self.remeasure_share
         self._remeasures[key] = done + 1 if done < MIN_LOCAL else 1
         return r
 

@@ -44,7 +44,7 @@ class MTPTrainSpec:
     seed: int = 0
     bf16: bool = True
     cache_hidden: bool = True      # the frozen target runs once per sequence, not once per step (cached_hidden)
-    draft_vocab_size: int = 2048   # heads draft over the N most frequent training tokens (0: all);
+    draft_vocab_size: int = 2048   # heads train and draft over the N most frequent training tokens (0: all);
                                    # 2048 on the demo: +13% tokens/s at gamma 3 (docs/decisions.md)
 
 
@@ -114,8 +114,11 @@ def stack_hidden(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
-def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir: Path, log=print):
-    """Train spec.num_heads fresh heads on `loaded.target`; returns (heads, eval acceptance)."""
+def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir: Path, log=print,
+                    vocab: torch.Tensor | None = None):
+    """Train spec.num_heads fresh heads on `loaded.target`; returns (heads, eval acceptance).
+    `vocab`: the draft vocabulary the heads will draft over, trained and evaluated over
+    (pipeline.training.mtp_math); None: the full vocabulary."""
     from tqdm import tqdm
 
     from pipeline.model.mtp import MTPHead
@@ -155,7 +158,7 @@ def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir:
                     hidden = stack_hidden([cache[i] for i in picks], ids.shape[1]).to(dev)
                 teacher = target.logits(hidden)
             loss, parts = mtp_loss(heads, hidden, teacher, ids, w, spec.depths, spec.depth_decay,
-                                   spec.ce_weight)
+                                   spec.ce_weight, vocab)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
@@ -167,12 +170,13 @@ def train_mtp_heads(loaded, train_seqs, eval_seqs, spec: MTPTrainSpec, work_dir:
             torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
             tmp.replace(ckpt)
     heads.eval()
-    acc = evaluate_heads(target, heads, eval_seqs, spec.depths)
+    acc = evaluate_heads(target, heads, eval_seqs, spec.depths, vocab=vocab)
     return heads, acc
 
 
 @torch.no_grad()
-def evaluate_heads(target, heads, seqs, depths: int, batch_size: int = 16) -> list[float]:
+def evaluate_heads(target, heads, seqs, depths: int, batch_size: int = 16,
+                   vocab: torch.Tensor | None = None) -> list[float]:
     """Teacher-forced greedy per-depth acceptance over the generated parts of `seqs`."""
     right, total = [0.0] * depths, [0.0] * depths
     for s in range(0, len(seqs), batch_size):
@@ -182,7 +186,7 @@ def evaluate_heads(target, heads, seqs, depths: int, batch_size: int = 16) -> li
         hidden = target.forward_full(ids)
         teacher = target.logits(hidden)
         n = gen[:, : ids.shape[1] - depths].sum().item()
-        acc = teacher_forced_acceptance(heads, hidden, teacher, ids, gen, depths)
+        acc = teacher_forced_acceptance(heads, hidden, teacher, ids, gen, depths, vocab)
         alive = n
         for k, a in enumerate(acc):
             total[k] += alive
@@ -225,12 +229,16 @@ def train_mtp_into(model_dir: Path, train_prompts: list[str], eval_prompts: list
         torch.save(data, seq_path)
         del hf
         log(f"generated {len(data['train'])} + {len(data['eval'])} greedy sequences in {time.time() - t:.0f}s")
-    loaded = load_model(model_dir, device=dev, dtype=torch.float32)
-    heads, acc = train_mtp_heads(loaded, data["train"], data["eval"], spec, work_dir, log=log)
+    loaded = load_model(model_dir, device=dev, dtype=torch.float32, draft_vocab=False)
+    from pipeline.model.draft_vocab import FILE, choose_draft_vocab, save_draft_vocab
+    vocab, counts = choose_draft_vocab([ids for ids, _ in data["train"]], loaded.config.vocab_size,
+                                       spec.draft_vocab_size, always=loaded.config.eos_token_ids)
+    heads, acc = train_mtp_heads(loaded, data["train"], data["eval"], spec, work_dir, log=log,
+                                 vocab=None if vocab is None else vocab.to(dev))
     save_mtp_heads(model_dir, [h.float().cpu() for h in heads])
-    from pipeline.model.draft_vocab import build_draft_vocab
-    build_draft_vocab(model_dir, [ids for ids, _ in data["train"]], spec.draft_vocab_size,
-                      "MTP training sequences", always=loaded.config.eos_token_ids)
+    (model_dir / FILE).unlink(missing_ok=True)          # new heads never draft over an old corpus's subset
+    if vocab is not None:
+        save_draft_vocab(model_dir, vocab, "MTP training sequences", counts)
     from pipeline.demo.prior import write_heldout_prior
     write_heldout_prior(model_dir, eval_prompts, max_new_tokens=spec.max_new_tokens, device=str(dev), log=log)
     report = {"teacher_forced_acceptance": [round(a, 4) for a in acc],
