@@ -306,8 +306,8 @@ class GoodputPolicy:
         if r is None:
             self._remeasures.pop(key, None)
             return d
-        if not started:                    # a new re-measure: one at a time over all buckets, each
-            if local.clock < local.next_remeasure:      # spaced by its own budget
+        if not started:                    # a new re-measure waits out the engine-wide budget of the last
+            if local.clock < local.next_remeasure:
                 return d
             local.next_remeasure = local.clock + MIN_LOCAL * gap / self.remeasure_share
         self._remeasures[key] = done + 1 if done < MIN_LOCAL else 1
