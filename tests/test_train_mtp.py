@@ -141,7 +141,7 @@ def test_heads_train_over_the_draft_vocabulary(tiny):
     inside, and a draft is scored by its full-vocabulary id (as the engine drafts)."""
     import torch.nn.functional as F
 
-    from pipeline.training.mtp_math import distill_loss
+    from pipeline.training.mtp_math import distill_loss, teacher_targets
     _, loaded, seqs, _ = tiny
     ids, w, gen = collate(seqs[:4], 1.0)
     torch.manual_seed(0)
@@ -165,10 +165,11 @@ def test_heads_train_over_the_draft_vocabulary(tiny):
     ce = -logq.gather(-1, slot[..., None]).squeeze(-1) * inside
     per_pos = (logp.exp() * (logp - logq)).sum(-1) + 0.5 * ce
     expect = (per_pos * wt).sum() / wt.sum()
-    torch.testing.assert_close(distill_loss(lg, tl, wt, 0.5, vocab), expect)
+    torch.testing.assert_close(distill_loss(lg, *teacher_targets(tl, vocab), wt, 0.5), expect)
 
     everything = torch.arange(128)                            # the whole vocabulary: the same as none
-    torch.testing.assert_close(distill_loss(full[0], tl, wt, 0.5, everything), distill_loss(full[0], tl, wt, 0.5))
+    torch.testing.assert_close(distill_loss(full[0], *teacher_targets(tl, everything), wt, 0.5),
+                               distill_loss(full[0], *teacher_targets(tl), wt, 0.5))
     accs = [teacher_forced_acceptance([head], hidden, teacher, ids, gen, 2, v) for v in (None, everything)]
     assert accs[0] == accs[1]
     # a vocabulary without the teacher's tokens accepts nothing

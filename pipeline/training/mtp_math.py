@@ -43,23 +43,31 @@ def depth_weights(depths: int, decay: float) -> list[float]:
     return [decay ** k for k in range(depths)]
 
 
-def distill_loss(head_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor,
-                 ce_weight: float, vocab: torch.Tensor | None = None) -> torch.Tensor:
+def teacher_targets(teacher_logits: torch.Tensor, vocab: torch.Tensor | None = None):
+    """The teacher as the heads train against it: (its logits over `vocab`, or all V where None,
+    [B, T, Vd or V]; the index of its full-vocabulary argmax among them [B, T], -1 where it lies
+    outside `vocab`). Taken once a step for every depth. Example: vocab [2, 5], argmax 5 -> 1,
+    argmax 3 -> -1."""
+    want = teacher_logits.argmax(-1)                                   # [B, T] over V
+    if vocab is None:
+        return teacher_logits, want
+    slot = torch.full((teacher_logits.shape[-1],), -1, dtype=torch.long, device=vocab.device)
+    slot[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+    return teacher_logits[..., vocab], slot[want]
+
+
+def distill_loss(head_logits: torch.Tensor, teacher: torch.Tensor, want: torch.Tensor, weights: torch.Tensor,
+                 ce_weight: float) -> torch.Tensor:
     """KL(teacher || head) plus ce_weight * CE(head, teacher argmax), weighted mean over positions.
 
-    head_logits: [B, L, V], or [B, L, Vd] over `vocab` (module docstring); teacher_logits:
-    [B, L, V]; weights: [B, L] (0 on padding).
+    head_logits, teacher: [B, L, V] or both over a draft vocabulary [B, L, Vd]; want: [B, L] the
+    teacher's argmax among them, -1 where it lies outside (no argmax term there: `teacher_targets`);
+    weights: [B, L] (0 on padding).
     """
-    want = teacher_logits.argmax(-1, keepdim=True)                     # [B, L, 1] over V
-    if vocab is not None:
-        slot = torch.full((teacher_logits.shape[-1],), -1, dtype=torch.long, device=vocab.device)
-        slot[vocab] = torch.arange(vocab.numel(), device=vocab.device)
-        want = slot[want]                                              # -1: outside the subset
-        teacher_logits = teacher_logits[..., vocab]
     logq = F.log_softmax(head_logits.float(), dim=-1)
-    logp = F.log_softmax(teacher_logits.float(), dim=-1)
+    logp = F.log_softmax(teacher.float(), dim=-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)                          # [B, L]
-    ce = -logq.gather(-1, want.clamp(min=0)).squeeze(-1) * (want[..., 0] >= 0)   # [B, L]
+    ce = -logq.gather(-1, want.clamp(min=0)[..., None]).squeeze(-1) * (want >= 0)   # [B, L]
     per_pos = kl + ce_weight * ce
     return (per_pos * weights).sum() / weights.sum().clamp_min(1e-6)
 
@@ -71,9 +79,10 @@ def mtp_loss(heads, hidden, teacher_logits, ids, weights, depths: int, decay: fl
     vocabulary the heads train over (None: all). Returns the loss and the per-depth values
     (floats, for logging)."""
     total, parts = 0.0, []
+    teacher, want = teacher_targets(teacher_logits, vocab)
     for k, (lg, w) in enumerate(zip(unrolled_head_logits(heads, hidden, ids, depths, vocab),
                                     depth_weights(depths, decay)), start=1):
-        lk = distill_loss(lg, teacher_logits[:, k:], weights[:, k:], ce_weight, vocab)
+        lk = distill_loss(lg, teacher[:, k:], want[:, k:], weights[:, k:], ce_weight)
         total = total + w * lk
         parts.append(float(lk.detach()))
     return total / sum(depth_weights(depths, decay)), parts
