@@ -207,8 +207,7 @@ class GoodputPolicy:
         acc = estimate_acceptance(reached, accepted, self.gamma_max)
         if model is None:
             return self._record(explore(ctx, acc, self.gamma_max))
-        d = choose_gamma(model, acc, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart,
-                         ctx.waiting_fill_s)
+        d = self._priced(model, acc, ctx)
         if d.gamma == 0 and self.optimism > 0:
             d = self._explore_upward(d, model, ctx, reached, accepted)
         elif d.gamma < self.gamma_max and self.optimism > 0:
@@ -217,6 +216,11 @@ class GoodputPolicy:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
             d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len)
         return self._record(d)
+
+    def _priced(self, model: CostModel, acceptance: list[float], ctx: StepContext) -> Decision:
+        """`choose_gamma` at this step's shape under `acceptance` (the mean's, or an optimistic view)."""
+        return choose_gamma(model, acceptance, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain,
+                            ctx.rows_apart, ctx.waiting_fill_s)
 
     def _explore_upward(self, d: Decision, model: CostModel, ctx: StepContext, reached, accepted) -> Decision:
         """Where the mean acceptance picks plain decoding, the gamma that `optimism` posterior
@@ -232,8 +236,7 @@ class GoodputPolicy:
                     default=0.0)
         if bound <= gp[0] * (1 + self.min_gain):
             return d                       # where even that cannot pay, the mean's choice stands unpriced
-        e = choose_gamma(model, hi, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart,
-                         ctx.waiting_fill_s)
+        e = self._priced(model, hi, ctx)
         if e.gamma == 0:
             return d
         g = min(k for k in e.candidates if k and e.predicted_goodput[k] > e.predicted_goodput[0] * (1 + self.min_gain))
@@ -252,8 +255,7 @@ class GoodputPolicy:
         Example: a fresh engine on json with the checkpoint's pooled prior (a_1 0.66) ran gamma 1
         for most of a 4-prompt call where gamma 5 was 1.4x faster."""
         hi = upper_acceptance(reached, accepted, self.gamma_max, self.optimism)
-        e = choose_gamma(model, hi, ctx.rows, ctx.context_len, self.gamma_max, self.min_gain, ctx.rows_apart,
-                         ctx.waiting_fill_s)
+        e = self._priced(model, hi, ctx)
         if e.gamma <= d.gamma or e.predicted_goodput[e.gamma] <= e.predicted_goodput[d.gamma] * (1 + self.min_gain):
             return d
         g = d.gamma + 1
