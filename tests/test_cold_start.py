@@ -38,6 +38,7 @@ def test_a_fresh_engine_with_a_shipped_prior_never_calibrates(shipped):
     decisions = warm.last_policy.decisions
     assert not any(d.calibrating for d in decisions)
     assert warm.last_policy.calibrated and warm.last_policy.prior.reached[0] > 0
+    assert warm.costs.profiles_taken == 0 and not warm.last_policy.plain_first   # priced by its own steps
     shapes = {LocalCorrection.key(0, s.rows, s.context_len) for s in warm.last_stats.steps}
     measuring = sum(1 for d in decisions if d.measuring)
     assert measuring <= MIN_LOCAL * len(shapes) + MIN_LOCAL        # plain decoding measured once per shape
@@ -55,6 +56,7 @@ def test_a_fresh_engine_takes_its_profile_from_the_disk_cache(shipped, monkeypat
     second = Engine.from_pretrained(bare, device="cpu", max_batch_size=2, gamma_max=3)
     second.ensure_profile()
     assert calls == [] and second.costs.profile_cached
+    assert second.auto_policy().plain_first           # profiled: plain decoding measured at a shape first
     assert [(r.rows, r.gamma) for r in second.costs.profile] == [(r.rows, r.gamma) for r in first.costs.profile]
     other = Engine.from_pretrained(bare, device="cpu", max_batch_size=2, gamma_max=2)   # other shapes: measured
     other.ensure_profile()
@@ -133,7 +135,8 @@ def _plus(a, b):
 
 def test_a_named_task_starts_from_its_own_shipped_acceptance(tmp_path, monkeypatch):
     """generate(task=T) on a fresh engine: the policy's prior is T's held-out acceptance (as the
-    driver's plan weighs it), not every task pooled; an unnamed or unknown task gets the pool."""
+    driver's plan weighs it), not every task pooled; an unnamed or unknown task gets the file's
+    tasks as a mixture (pipeline.spec_decode.prior_mix), the pool one component of it."""
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
     path = tiny_checkpoint(str(tmp_path / "models"), arch="llama", num_mtp_layers=1, with_tokenizer=False)
     copy = tmp_path / "two-tasks"
@@ -147,14 +150,19 @@ def test_a_named_task_starts_from_its_own_shipped_acceptance(tmp_path, monkeypat
         if not shipped:
             engine.spec_prior = None        # the shipped prior turned off (cold_start.py --no-prior)
         engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), gamma="auto", task=task)
-        prior = engine.last_policy.prior
-        if not prior.reached:
+        policy = engine.last_policy
+        if policy.mixture is not None:
+            assert not policy.prior.reached          # the mixture stands in for the shipped counts
+            return {name: (c[1][0] / c[0][0], c[0][0]) for name, c in policy.mixture.components}
+        if not policy.prior.reached:
             return None
-        return prior.accepted[0] / prior.reached[0], prior.reached[0]
+        return policy.prior.accepted[0] / policy.prior.reached[0], policy.prior.reached[0]
 
     easy, hard, pooled, unknown = prior_a1("easy"), prior_a1("hard"), prior_a1(None), prior_a1("other")
     assert easy[0] == pytest.approx(0.9) and hard[0] == pytest.approx(0.25)
     assert easy[1] == hard[1] == PRIOR_ROW_STEPS
-    assert pooled[0] == pytest.approx((3600 + 1000) / 8000) and unknown == pooled
-    assert pooled[1] < 10          # two tasks this far apart make a weak pooled prior
+    assert pooled == unknown and set(pooled) == {"easy", "hard", "*"}
+    assert pooled["easy"] == easy and pooled["hard"] == hard
+    assert pooled["*"][0] == pytest.approx((3600 + 1000) / 8000)
+    assert pooled["*"][1] < 10          # two tasks this far apart make a weak pooled component
     assert prior_a1("easy", shipped=False) is None and prior_a1(None, shipped=False) is None

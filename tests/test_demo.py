@@ -191,3 +191,27 @@ def test_chunked_lm_loss_is_the_weighted_mean_cross_entropy():
     want = (ce * weights.flatten()).sum() / weights.sum()
     for chunk in (1, 5, 21, 64):
         torch.testing.assert_close(chunked_lm_loss(hidden, head, targets, weights, chunk=chunk), want)
+
+
+def test_eval_stage_reports_at_its_gamma_and_writes_the_prior_at_gamma_max(tmp_path):
+    """The report is measured at `eval.gamma` (3, comparable across builds); spec_prior.json is
+    measured again at the engine's gamma_max, so a fresh engine's "auto" has held-out acceptance
+    at every depth it may run (a prior measured to depth 3 left depths 4-5 to a few unlucky drafts)."""
+    import shutil
+
+    from pipeline.demo.build import BuildSpec, build
+    from pipeline.engine.params import DEFAULT_GAMMA_MAX
+    from pipeline.model.spec_prior import read_spec_prior
+    model = tmp_path / "model"
+    shutil.copytree(ASSETS / "model", model)
+    result = build(BuildSpec(work_dir=tmp_path / "work", model_dir=model, data_path=ASSETS / "data" / "demo.parquet",
+                             stages=("eval",), threads=1,
+                             eval={"rows_per_task": 2, "max_new_tokens": 12, "examples": 0}), log=lambda _: None)
+    assert {r["gamma"] for r in result["acceptance"].values()} == {3}
+    assert {r["gamma"] for r in result["prior_acceptance"].values()} == {DEFAULT_GAMMA_MAX}
+    written = json.loads((model / "spec_prior.json").read_text())
+    assert written["gamma"] == DEFAULT_GAMMA_MAX
+    assert set(read_spec_prior(model)) == {"summarize", "complete", "json", "*"}
+    shipped = json.loads((ASSETS / "model" / "spec_prior.json").read_text())
+    assert shipped["gamma"] == DEFAULT_GAMMA_MAX
+    assert all(len(t["reached"]) == DEFAULT_GAMMA_MAX and min(t["reached"]) > 0 for t in shipped["tasks"].values())

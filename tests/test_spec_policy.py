@@ -215,6 +215,26 @@ def test_plain_decoding_is_measured_at_a_shape_before_speculating_there():
     assert GoodputPolicy(GMAX, lambda: ROOFLINE, prior).choose(StepContext(2, 400, SpecStats())) > 0
 
 
+def test_without_a_profile_plain_decoding_is_not_measured_first():
+    """A call that took no profile (`plain_first` False: its model is fitted from its own real
+    steps, gamma 0's among them) speculates at a new shape at once; a plain price it has there
+    still ages, and is re-measured once older than the budget allows."""
+    local = LocalCorrection()
+    measured = replace(ROOFLINE, local=local)
+    prior = SpecStats()
+    prior.reached, prior.accepted = [1000] * GMAX, [800] * GMAX
+    policy = GoodputPolicy(GMAX, lambda: measured, prior, plain_first=False)
+    assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) > 0
+    assert not policy.decisions[-1].measuring
+    d = policy.decisions[-1]
+    due = MIN_LOCAL * (d.predicted_goodput[d.gamma] / d.predicted_goodput[0] - 1) / policy.remeasure_share
+    _timed_steps(local, measured, 0, 1e3 * ROOFLINE.modelled_step_s(2, 0, 100), 1, rows=2, ctx=100)
+    _timed_steps(local, measured, 3, 1e3 * ROOFLINE.modelled_step_s(2, 3, 400), int(due) + 1, rows=2, ctx=400)
+    policy = GoodputPolicy(GMAX, lambda: measured, prior, plain_first=False)
+    assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0
+    assert policy.decisions[-1].measuring and "re-measuring plain decoding" in policy.decisions[-1].reason
+
+
 def test_a_borrowed_plain_price_ages_like_a_measured_one():
     """The next octave borrows gamma 0's price only while it is younger than the re-measure
     schedule allows at the predicted gap; older, plain decoding is measured there first."""

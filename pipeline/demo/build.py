@@ -128,11 +128,19 @@ def build(spec: BuildSpec, log=print) -> dict:
         write_corpus_draft_vocab(Path(spec.model_dir), records, spec.draft_vocab_size, log=log)
     if "eval" in spec.stages:
         from pipeline.demo.evaluate import evaluate_acceptance
+        from pipeline.engine.params import DEFAULT_GAMMA_MAX
         t = time.time()
-        result["acceptance"] = evaluate_acceptance(Path(spec.model_dir), Path(spec.data_path), log=log,
-                                                   **{"device": str(dev), **spec.eval})
+        opts = {"device": str(dev), "gamma": 3, **spec.eval}
+        prior_gamma = int(opts.pop("prior_gamma", DEFAULT_GAMMA_MAX))
+        result["acceptance"] = evaluate_acceptance(Path(spec.model_dir), Path(spec.data_path), log=log, **opts)
+        measured = result["acceptance"]
+        if prior_gamma != opts["gamma"]:      # the prior covers every depth "auto" may run, not the report's
+            measured = evaluate_acceptance(Path(spec.model_dir), Path(spec.data_path), log=log,
+                                           **{**opts, "gamma": prior_gamma, "examples": 0})
+            result["prior_acceptance"] = {t: {k: r[k] for k in ("gamma", "acceptance_by_depth", "mean_acceptance_length")}
+                                          for t, r in measured.items()}
         from pipeline.demo.prior import write_eval_prior
-        write_eval_prior(spec.model_dir, result["acceptance"])     # the heads' prior ships with them
+        write_eval_prior(spec.model_dir, measured)     # the heads' prior ships with them
         times["eval"] = time.time() - t
     result["total_s"] = time.time() - t0
     (work / "build_result.json").write_text(json.dumps(result, indent=2, default=str))

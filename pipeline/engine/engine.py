@@ -14,13 +14,14 @@ import torch
 from pipeline.engine.costs import CostTracker
 from pipeline.engine.drafters import Sources, TaskIndex, make_sources, resolve_draft
 from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingParams
-from pipeline.engine.warm_start import checkpoint_prior, ensure_profile
+from pipeline.engine.warm_start import checkpoint_mixture, checkpoint_prior, ensure_profile
 from pipeline.engine.rows import Row
 from pipeline.engine.run import GenerateRun
 from pipeline.model.cache import KVCache
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec_decode.cost import CostModel
 from pipeline.spec_decode.policy import FixedGamma, GammaPolicy, GoodputPolicy, make_policy
+from pipeline.spec_decode.prior_mix import PriorMixture
 from pipeline.spec_decode.stats import SpecStats
 
 
@@ -48,6 +49,7 @@ class Engine:
         self._caches: dict[str, KVCache] = {}          # the last call's KV caches, reused where they fit
         self.spec_prior: SpecStats | None = checkpoint_prior(getattr(loaded, "path", None))   # all tasks pooled
         self._task_priors: dict[str, SpecStats | None] = {}   # task -> its held-out acceptance, read once
+        self._mixture = checkpoint_mixture(getattr(loaded, "path", None))    # its tasks, for calls naming none
         self.task_indexes: dict[str | None, TaskIndex] = {}   # task -> its recent outputs (n-gram drafting)
         self.ngram_evidence: dict[str | None, SpecStats] = {}  # task -> n-gram acceptance by match and depth
         self.output_lengths: dict[str, deque] = {}            # task -> its recent finished rows' lengths
@@ -128,6 +130,15 @@ class Engine:
             self._task_priors[task] = checkpoint_prior(getattr(self.model, "path", None), task)
         return self._task_priors[task]
 
+    def checkpoint_mixture(self, task: str | None = None) -> PriorMixture | None:
+        """Where `task` is not one the checkpoint's prior holds (or None): its tasks as a mixture
+        that the call's own drafts weigh (pipeline.spec_decode.prior_mix); None where the task
+        is held, the prior is off (`spec_prior` None), or the file holds fewer than two tasks."""
+        mix = self._mixture
+        if self.spec_prior is None or mix is None or (task is not None and task in mix.names):
+            return None
+        return mix
+
     def auto_policy(self, prior: SpecStats | None = None, context_len: int = 128, planned: int | None = None,
                     calibrate: bool = True, rows: int | None = None, explore: bool = False,
                     task: str | None = None) -> GoodputPolicy:
@@ -143,8 +154,11 @@ class Engine:
                                calibrate=calibrate)
         shipped = self.checkpoint_prior(task)
         if shipped is not None and (policy.prior.reached or [0])[0] < policy.calibration_rows:
-            policy.prior = policy.prior.merge(shipped)
+            policy.mixture = self.checkpoint_mixture(task)      # a task the file does not name: its tasks, weighed
+            if policy.mixture is None:
+                policy.prior = policy.prior.merge(shipped)
             policy.calibrated = True      # held-out acceptance at every depth: a calibration, however light
+        policy.plain_first = bool(self.costs.profile)       # without a profile, plain decoding's price is the call's own
         return policy
 
     # ---- public entry ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pipeline.engine.profile import profile_costs, rows_grid
 from pipeline.model.spec_prior import read_spec_prior
 from pipeline.spec_decode.evidence import PRIOR_ROW_STEPS
 from pipeline.spec_decode.plan import scaled_counts, spread_weight
+from pipeline.spec_decode.prior_mix import PriorMixture
 from pipeline.spec_decode.stats import SpecStats, StepRecord
 
 _FORMAT = 1
@@ -50,6 +51,20 @@ def checkpoint_prior(path, task: str | None = None) -> SpecStats | None:
     weight = spread_weight({k: v for k, v in tasks.items() if k != "*"}, PRIOR_ROW_STEPS)
     reached, accepted = scaled_counts(*tasks["*"], weight, whole=False)
     return SpecStats(list(reached), list(accepted)) if reached and reached[0] else None
+
+
+def checkpoint_mixture(path) -> PriorMixture | None:
+    """Every task of `path/spec_prior.json` as one component (at most PRIOR_ROW_STEPS row-steps, as
+    a named task's prior), plus all tasks pooled as `checkpoint_prior` weighs them: the prior of
+    a call that names no task the file holds (pipeline.spec_decode.prior_mix). None without the
+    file or with fewer than two tasks (nothing to tell apart)."""
+    tasks = read_spec_prior(path) if path is not None else None
+    named = {k: v for k, v in (tasks or {}).items() if k != "*" and v[0] and v[0][0]}
+    if len(named) < 2:
+        return None
+    parts = [(name, scaled_counts(*counts, PRIOR_ROW_STEPS, whole=False)) for name, counts in sorted(named.items())]
+    parts.append(("*", scaled_counts(*tasks["*"], spread_weight(named, PRIOR_ROW_STEPS), whole=False)))
+    return PriorMixture(tuple(parts))
 
 
 def cache_dir() -> Path:

@@ -14,7 +14,8 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   observes every depth at once; not where the prior stands for one (`calibrated`: a checkpoint's
   held-out acceptance, weighed by how far its tasks differ, so a call's drafts soon outweigh
   it). A calibrated task that settles on gamma 0 observes no more drafts, so the estimate has
-  to span enough rows to live on.
+  to span enough rows to live on. A call that names no task the checkpoint holds starts from
+  its tasks as a mixture (`mixture`, pipeline.spec_decode.prior_mix) that its drafts weigh.
 - Exploring: plain decoding drafts nothing, so an acceptance estimate that picks it is never
   corrected. Where the mean picks gamma 0 but `optimism` posterior deviations more acceptance
   would speculate (a weak prior, a few drafts seen), the shallowest gamma that pays under that
@@ -36,7 +37,9 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   bucket, or they are older than MIN_LOCAL * gap / `remeasure_share` engine steps (gap: how far
   gamma 0 is predicted behind), gamma 0 runs instead, marked `measuring`. A bucket with no
   gamma-0 steps of its own next to one priced within that age (one context octave away: a row
-  decodes into the next octave) borrows that price rather than measuring again.
+  decodes into the next octave) borrows that price rather than measuring again. A call that
+  took no profile (`plain_first` False) speculates at once: its model is fitted from its own
+  steps, gamma 0's among them, and ran 4-6 plain steps of a 28-step json call measuring again.
 - Speculation priced by its own steps, on the same budget: at gamma 0, the best speculative
   gamma of those run at this bucket runs MIN_LOCAL steps (marked `measuring`) once its steps
   there are older than MIN_LOCAL * loss / `remeasure_share` engine steps (loss: how far it is
@@ -68,6 +71,7 @@ from itertools import groupby
 from typing import Callable, Protocol, Sequence
 
 from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection
+from pipeline.spec_decode.prior_mix import PriorMixture
 from pipeline.spec_decode.stats import SpecStats
 
 FEW_ROWS = 8            # at a tail (none queued), at most this many rows: each priced with its own acceptance
@@ -169,6 +173,9 @@ class GoodputPolicy:
     calibrate: bool = True              # False: another shard calibrates this task; do not calibrate here
     calibrated: bool = False            # the prior stands for a calibration (a checkpoint's held-out
                                         # acceptance at every depth), however few row-steps it weighs
+    mixture: PriorMixture | None = None  # a checkpoint's tasks, weighed by this call's drafts (added to `prior`)
+    plain_first: bool = True            # measure plain decoding at a new shape before speculating there
+                                        # (False: no profile, so the model's prices are this call's own steps)
     decisions: list[Decision] = field(default_factory=list)
     _cached: tuple | None = field(default=None, repr=False)     # (key, decision, steps reused)
     _remeasures: dict = field(default_factory=dict, repr=False)  # bucket -> steps of a re-measure this policy runs
@@ -193,6 +200,9 @@ class GoodputPolicy:
 
     def _decide(self, ctx: StepContext, model: CostModel | None) -> int:
         reached, accepted = _add(self.prior.reached, ctx.stats.reached), _add(self.prior.accepted, ctx.stats.accepted)
+        if self.mixture is not None:
+            mix = self.mixture.prior(reached, accepted)
+            reached, accepted = _add(mix.reached, reached), _add(mix.accepted, accepted)
         seen = reached[0] if reached else 0
         if self.gamma_max == 0:
             return self._record(Decision(0, "gamma_max is 0", [0], [], []))
@@ -267,8 +277,8 @@ class GoodputPolicy:
 
     def _measure_runner_up(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
         """Where `d` speculates, run plain decoding instead while its measurements at this shape
-        need it (module docstring): before speculating here at all, and again once its steps
-        here are older than `remeasure_share` allows at its predicted gap."""
+        need it (module docstring): before speculating here at all (`plain_first`), and again
+        once its steps here are older than `remeasure_share` allows at its predicted gap."""
         if d.gamma == 0:
             return d
         n = local.count(0, rows, ctx)
@@ -276,10 +286,12 @@ class GoodputPolicy:
         due = MIN_LOCAL * gap / self.remeasure_share           # steps a gamma-0 price may age at this gap
         if n == 0 and (near := local.nearby_age(0, rows, ctx)) is not None and near <= due:
             return d                                           # priced by the next octave's plain steps
-        if n < MIN_LOCAL:
+        if n < MIN_LOCAL and self.plain_first:
             return Decision(0, f"rows={rows}: measuring plain decoding at this shape first ({n}/{MIN_LOCAL} steps) "
                                f"before speculating; then: {d.reason}",
                             d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
+        if n == 0:
+            return d                                           # never run here: priced by the call's own steps
         return self._remeasure(d, 0, "plain decoding", gap, local, rows, ctx)
 
     def _measure_speculation(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
