@@ -190,3 +190,64 @@ def test_training_over_a_draft_vocabulary_raises_acceptance(tiny, tmp_path):
     before = evaluate_heads(loaded.target, fresh, train, 2, vocab=vocab)
     _, after = train_mtp_heads(loaded, train, train, spec, tmp_path, vocab=vocab)
     assert after[0] > before[0] + 0.2
+
+
+def test_loss_on_real_positions_only_equals_the_padded_loss(tiny):
+    """The training step takes the output projections at weighted positions only (`keep`):
+    the loss and its gradient are those of the padded batch."""
+    _, loaded, seqs, _ = tiny
+    ragged = [(s[: n], 4) for (s, _), n in zip(seqs[:4], (24, 9, 15, 6))]
+    ids, w, _ = collate(ragged, 3.0)
+    keep = w > 0
+    assert not keep.all()
+    for vocab in (None, torch.arange(3, 128, 2)):
+        torch.manual_seed(0)
+        head = MTPHead.from_target(loaded.target)
+        with torch.no_grad():
+            hidden = loaded.target.forward_full(ids)
+        grads = []
+        for k in (None, keep):
+            head.zero_grad()
+            teacher = loaded.target.logits(hidden if k is None else hidden[k])
+            loss, _ = mtp_loss([head], hidden, teacher, ids, w, 3, 0.6, 0.5, vocab, k)
+            loss.backward()
+            grads.append((loss.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None]))
+        torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads[0][1], grads[1][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_length_grouped_batches_cover_every_sequence_and_cut_padding():
+    import random
+
+    from pipeline.training.train_mtp import length_grouped_batches
+    rng = random.Random(1)
+    lengths = [rng.choice([30, 40, 80, 200, 350]) + rng.randrange(10) for _ in range(640)]
+    grouped = length_grouped_batches(lengths, 16, 80, seed=0, group=8)       # two epochs
+    plain = length_grouped_batches(lengths, 16, 80, seed=0, group=1)
+    assert grouped == length_grouped_batches(lengths, 16, 80, seed=0, group=8)  # resumable: seeded
+    for batches in (grouped, plain):
+        assert all(len(b) == 16 for b in batches)
+        assert sorted(i for b in batches[:40] for i in b) == list(range(640))  # each once an epoch
+        assert sorted(i for b in batches[40:] for i in b) == list(range(640))
+
+    def real(batches):
+        return sum(sum(lengths[i] for i in b) for b in batches) / sum(16 * max(lengths[i] for i in b) for b in batches)
+    assert real(grouped) > 0.85 and real(plain) < 0.6           # these lengths: 0.89 against 0.43
+
+
+def test_greedy_sequences_in_length_batches_keep_prompt_order(tmp_path):
+    """Training continuations are generated in batches of similar length; each comes back at
+    its prompt's place and equals that prompt generated alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.training.train_mtp import greedy_sequences
+    path = make_tiny_checkpoint(tmp_path / "ckpt", num_mtp_layers=0, seed=1)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = ["def add(a, b): return a + b " * k for k in (3, 1, 5, 2, 1, 4)]
+    batched = greedy_sequences(hf, tok, prompts, 128, 6, batch_size=3)
+    alone = [greedy_sequences(hf, tok, [p], 128, 6, batch_size=1)[0] for p in prompts]
+    assert [p for _, p in batched] == [len(tok(p)["input_ids"]) for p in prompts]
+    for (a, pa_), (b, pb) in zip(batched, alone):
+        assert pa_ == pb and torch.equal(a, b)

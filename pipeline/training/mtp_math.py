@@ -20,20 +20,24 @@ from pipeline.model.mtp import head_for_depth
 
 
 def unrolled_head_logits(heads, hidden: torch.Tensor, ids: torch.Tensor, depths: int,
-                         vocab: torch.Tensor | None = None) -> list[torch.Tensor]:
+                         vocab: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Chain the heads over depths 1..depths on whole sequences (gradients flow through the chain).
 
     hidden: [B, T, H] target hidden states; ids: [B, T]. Returns per depth k logits
     [B, T - k, V] (or [B, T - k, Vd] over `vocab`), where entry i predicts ids[:, i + k + 1]
     (teacher: target logits at i + k). A head reused across depths (fewer heads than depths) is
-    applied again to its own output.
+    applied again to its own output. `keep` [B, T] bool (indexed by the teacher's position
+    i + k): only those entries' logits, [N_k, V or Vd] in row-major order. The heads still run
+    on every position (later positions attend to them); the output projection, most of a
+    step, runs where a loss is taken.
     """
     t = ids.shape[1]
     prev, out = hidden, []
     for k in range(1, depths + 1):
         head = heads[head_for_depth(len(heads), k)]
         h = head.forward_full(prev[:, : t - k], ids[:, k:])          # [B, T - k, H]
-        out.append(head.logits(h) if vocab is None else head.subset_logits(h, vocab))
+        x = h if keep is None else h[keep[:, k:]]
+        out.append(head.logits(x) if vocab is None else head.subset_logits(x, vocab))
         prev = h
     return out
 
@@ -73,16 +77,28 @@ def distill_loss(head_logits: torch.Tensor, teacher: torch.Tensor, want: torch.T
 
 
 def mtp_loss(heads, hidden, teacher_logits, ids, weights, depths: int, decay: float,
-             ce_weight: float, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+             ce_weight: float, vocab: torch.Tensor | None = None,
+             keep: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Weighted sum over depths of distill_loss. weights: [B, T] per-position weights of ids
     (0 on padding); depth k's position i uses the weight of position i + k; `vocab`: the draft
-    vocabulary the heads train over (None: all). Returns the loss and the per-depth values
-    (floats, for logging)."""
+    vocabulary the heads train over (None: all). `keep` [B, T] bool: the positions that carry a
+    loss, where teacher_logits is [N, V] at those positions in row-major order (the target's
+    output projection skipped elsewhere); None: teacher_logits [B, T, V]. With keep = weights > 0
+    the loss is the same as without. Returns the loss and the per-depth values (floats, for
+    logging)."""
     total, parts = 0.0, []
     teacher, want = teacher_targets(teacher_logits, vocab)
-    for k, (lg, w) in enumerate(zip(unrolled_head_logits(heads, hidden, ids, depths, vocab),
+    if keep is not None:
+        row = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+        row[keep] = torch.arange(int(keep.sum()), device=keep.device)    # position -> teacher row
+    for k, (lg, w) in enumerate(zip(unrolled_head_logits(heads, hidden, ids, depths, vocab, keep),
                                     depth_weights(depths, decay)), start=1):
-        lk = distill_loss(lg, teacher[:, k:], want[:, k:], weights[:, k:], ce_weight)
+        if keep is None:
+            lk = distill_loss(lg, teacher[:, k:], want[:, k:], weights[:, k:], ce_weight)
+        else:
+            sel = keep[:, k:]
+            r = row[:, k:][sel]
+            lk = distill_loss(lg, teacher[r], want[r], weights[:, k:][sel], ce_weight)
         total = total + w * lk
         parts.append(float(lk.detach()))
     return total / sum(depth_weights(depths, decay)), parts
