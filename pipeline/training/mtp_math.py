@@ -87,18 +87,16 @@ def mtp_loss(heads, hidden, teacher_logits, ids, weights, depths: int, decay: fl
     the loss is the same as without. Returns the loss and the per-depth values (floats, for
     logging)."""
     total, parts = 0.0, []
+    if keep is None:                  # every position, the teacher's rows in row-major order
+        keep = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+        teacher_logits = teacher_logits.flatten(0, 1)
     teacher, want = teacher_targets(teacher_logits, vocab)
-    if keep is not None:
-        row = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
-        row[keep] = torch.arange(int(keep.sum()), device=keep.device)    # position -> teacher row
+    row = keep.flatten().cumsum(0).view_as(keep) - 1                    # position -> teacher row
     for k, (lg, w) in enumerate(zip(unrolled_head_logits(heads, hidden, ids, depths, vocab, keep),
                                     depth_weights(depths, decay)), start=1):
-        if keep is None:
-            lk = distill_loss(lg, teacher[:, k:], want[:, k:], weights[:, k:], ce_weight)
-        else:
-            sel = keep[:, k:]
-            r = row[:, k:][sel]
-            lk = distill_loss(lg, teacher[r], want[r], weights[:, k:][sel], ce_weight)
+        sel = keep[:, k:]
+        r = row[:, k:][sel]
+        lk = distill_loss(lg, teacher[r], want[r], weights[:, k:][sel], ce_weight)
         total = total + w * lk
         parts.append(float(lk.detach()))
     return total / sum(depth_weights(depths, decay)), parts

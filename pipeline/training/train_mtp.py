@@ -128,10 +128,10 @@ def length_grouped_batches(lengths: list[int], batch_size: int, steps: int, seed
     once per epoch. group <= 1: plain random batches (the same shuffle, no sort).
     Example: lengths [5, 50, 6, 60], batch 2, group 2 -> batches {5, 6} and {50, 60} in some order."""
     rng, out = random.Random(seed), []
+    span = batch_size * max(group, 1)
     while len(out) < steps:
         order = list(range(len(lengths)))
         rng.shuffle(order)
-        span = batch_size * max(group, 1)
         epoch = []
         for s in range(0, len(order), span):
             chunk = order[s: s + span]
