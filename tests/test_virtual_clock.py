@@ -56,3 +56,12 @@ def test_same_outputs_and_the_same_charge_for_the_same_work(tmp_path, monkeypatc
     saved = tmp_path / "prices.json"
     clock.save(saved)
     assert VirtualClock.load(saved).prices == clock.prices
+
+
+def test_a_new_shape_is_priced_at_its_fastest_rerun():
+    """Reruns slowed by another process's work (here: sleeps) do not set the price."""
+    delays = iter([0.05, 0.05, 0.0, 0.05, 0.05])
+    clock = VirtualClock(reps=5)
+    fn = clock.priced("k", lambda: time.sleep(next(delays)), lambda: "s")
+    fn()
+    assert clock.prices["k:s"] < 0.02             # the median of these reruns is 0.05

@@ -3,8 +3,10 @@ without the machine's timing noise.
 
 On a shared CPU one 0.1-0.3 s call swings 5-10% between runs, more than the gap between two
 gamma policies. Under a `VirtualClock` every forward of the target and of the MTP heads is
-charged what the first forwards of its shape bucket measured (the median of `reps` reruns),
-the same price for every system in the run, while host work (the policy, the n-gram lookup,
+charged what the first forwards of its shape bucket measured (the fastest of `reps` reruns:
+on a shared machine a rerun is slowed by others' work, never sped up, so the minimum is the
+forward's own cost; the median kept contended spells: at batch 1 one table priced 3 tokens 40%
+above 4), the same price for every system in the run, while host work (the policy, the n-gram lookup,
 acceptance) keeps its real time. `time.perf_counter` is replaced for the clock's lifetime, so
 the engine measures, profiles and learns from these prices exactly as it would from real ones,
 and a benchmark's timing reads them too. What it answers: which decisions a policy makes and
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,7 +79,7 @@ class VirtualClock:
                         t = _real_perf_counter()
                         fn(*args, **kwargs)
                         times.append(_real_perf_counter() - t)
-                    self.prices[key] = statistics.median(times)
+                    self.prices[key] = min(times)
                     self.measured += 1
                 self.inside += _real_perf_counter() - t0
                 self.charged += self.prices[key]
