@@ -65,3 +65,15 @@ def test_a_new_shape_is_priced_at_its_fastest_rerun():
     fn = clock.priced("k", lambda: time.sleep(next(delays)), lambda: "s")
     fn()
     assert clock.prices["k:s"] < 0.02             # the median of these reruns is 0.05
+
+
+def test_a_pricing_pass_keeps_the_faster_of_the_loaded_and_the_new_price():
+    clock = VirtualClock(reps=2, prices={"k:slow": 5.0, "k:fast": 1e-9}, reprice=True)
+    clock.priced("k", lambda: None, lambda: "slow")()
+    clock.priced("k", lambda: None, lambda: "fast")()
+    assert clock.prices["k:slow"] < 0.01 and clock.prices["k:fast"] == 1e-9 and clock.measured == 2
+    clock.priced("k", lambda: None, lambda: "slow")()
+    assert clock.measured == 2                     # once per shape and pass
+    plain = VirtualClock(prices={"k:slow": 5.0})
+    plain.priced("k", lambda: None, lambda: "slow")()
+    assert plain.prices["k:slow"] == 5.0 and plain.measured == 0
