@@ -1,5 +1,6 @@
 """KV caches: a ragged verify step leaves every row's cache as plain decoding would, and the
 MTP heads' caches hold exactly the entries a full-sequence forward computes."""
+import pytest
 import torch
 
 from pipeline.engine import Engine, SamplingParams
@@ -116,25 +117,36 @@ def test_mtp_caches_hold_prompt_and_accepted_tokens(tmp_path):
 
 
 @torch.no_grad()
-def test_plain_steps_leave_a_gap_the_heads_do_not_bridge(tmp_path):
-    """After gamma-0 steps no head has entries for their positions, and no head k > 1 takes a
-    carry across the gap: its first entry after it would need head k-1's output before it."""
+@pytest.mark.parametrize("backlog", [64, 2])
+def test_plain_steps_are_filled_at_the_next_draft_and_a_full_backlog_leaves_a_gap(tmp_path, monkeypatch, backlog):
+    """At the first draft after gamma-0 steps both heads get entries for those steps' positions
+    (the backlog), chained on as if they had drafted throughout. A backlog of 2 tokens holds only
+    the newest two plain steps: the one before them is a gap, and head 2 takes no carry across
+    it (its first entry after the gap would need head 1's output before it)."""
+    import pipeline.engine.drafter as drafter_module
+    monkeypatch.setattr(drafter_module, "BACKLOG_TOKENS", backlog)
     path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
     prompts = random_prompts([5, 9, 3], 128, seed=8)
     rows = [Row(i, p, 40, RequestOutput()) for i, p in enumerate(prompts)]
     run = GenerateRun(engine, rows, SamplingParams(max_new_tokens=40, ignore_eos=True), FixedGamma(3))
-    for gamma in (3, 3, 0, 0, 0):
+    for gamma in (3, 3, 0, 0, 0, 0, 0):
         run.policy = FixedGamma(gamma)
         run._admit()
         run._step()
     s, drafter = run.slots, run.drafter         # the MTP heads behind the "mtp" source
     n = s.n
-    drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))   # fills the newest
+    drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))
     for slot in range(n):
-        last = int(s.lengths[slot]) - 1                  # the last step's position: filled now
-        assert drafter.valid[0, slot, last] and not drafter.valid[1, slot, last]
-        assert not drafter.valid[:, slot, last - 2:last].any()       # the earlier plain steps: a gap
+        last = int(s.lengths[slot]) - 1                  # the last step's position
+        if backlog == 64:                                # every plain step's position, both heads
+            assert drafter.valid[:, slot, last - 4:last + 1].all()
+        else:                                            # the newest plain steps, after a gap
+            head1 = drafter.valid[0, slot, :last + 1].tolist()
+            gap = max(i for i, ok in enumerate(head1) if not ok)
+            assert last - 3 <= gap <= last - 2               # 1 or 2 plain steps' tokens kept, as they fell
+            assert drafter.valid[0, slot, gap + 1:last + 1].all()
+            assert not drafter.valid[1, slot, gap + 1] and drafter.valid[1, slot, gap + 2:last + 1].all()
 
 
 def test_a_call_reusing_the_last_calls_caches_generates_what_a_fresh_engine_does(tmp_path):

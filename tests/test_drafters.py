@@ -155,11 +155,12 @@ def test_a_plain_llama_shard_with_spec_draft_ngram_is_greedy_identical(tmp_path)
     assert sum(result.table.column("num_drafted_tokens").to_pylist()) == row["drafted_by_source"]["ngram"]
 
 
-def test_heads_keep_the_prompt_across_gamma_0_steps(root, monkeypatch):
-    """A row whose first steps run gamma 0 keeps its prompt in the heads' cache (the skipped
-    generated tokens alone are a gap, masked), and greedy output is unchanged. Before, a gamma-0
-    step dropped the prompt's fill: json on the demo drafted 2.33 tokens per gamma-3 step
-    instead of 3.16 after three such steps."""
+def test_heads_catch_up_on_gamma_0_steps_before_they_draft(root, monkeypatch):
+    """A row whose first steps run gamma 0 keeps its prompt and the skipped steps' tokens for its
+    heads (the prompt fill and the backlog), so at its first draft their caches hold what heads
+    drafting from the start hold, and greedy output is unchanged. Before, a gamma-0 step dropped
+    the prompt's fill (json on the demo: 2.33 tokens per gamma-3 step instead of 3.16 after three
+    such steps), and later its tokens were a masked gap (complete: 2.87 against 3.15 after 48)."""
     from pipeline.engine.drafter import Drafter
     path = tiny_checkpoint(root, arch="llama", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
     prompt = random_prompts([9], 128, seed=4)[0]
@@ -167,7 +168,7 @@ def test_heads_keep_the_prompt_across_gamma_0_steps(root, monkeypatch):
 
     def recording(self, n, lengths, gamma, pick):
         out = real(self, n, lengths, gamma, pick)
-        seen.append((int(lengths[0]), self.valid[:, 0].clone()))
+        seen.append((int(lengths[0]), self.valid[:, 0].clone(), self.cache.k[:, 0].clone()))
         return out
 
     monkeypatch.setattr(Drafter, "propose", recording)
@@ -175,26 +176,28 @@ def test_heads_keep_the_prompt_across_gamma_0_steps(root, monkeypatch):
     class Script:
         decisions = ()
 
-        def __init__(self):
-            self.steps = 0
+        def __init__(self, plain):
+            self.steps, self.plain = 0, plain
 
         def choose(self, ctx):
             self.steps += 1
-            return 0 if self.steps <= 3 else 2
+            return 0 if self.steps <= self.plain else 2
 
         def max_gamma(self):
             return 2
 
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=1)
-    out = engine.generate([prompt], SamplingParams(max_new_tokens=12), gamma=Script())
-    assert out[0].token_ids == hf_greedy(path, [prompt], 12)[0]
-    length, valid = seen[0]
+    ref = hf_greedy(path, [prompt], 12)[0]
+    assert engine.generate([prompt], SamplingParams(max_new_tokens=12), gamma=Script(0), draft="mtp")[0].token_ids == ref
+    throughout = seen[-1]
+    seen.clear()
+    assert engine.generate([prompt], SamplingParams(max_new_tokens=12), gamma=Script(3), draft="mtp")[0].token_ids == ref
+    length, valid, keys = seen[0]
     p = len(prompt)
-    assert length == p + 3                      # three gamma-0 steps before the first draft
-    assert valid[0, :p].all()                   # head 1 holds the prompt
-    assert not valid[0, p:p + 2].any()          # the first two skipped steps' tokens: a gap
-    assert valid[0, p + 2]                      # the last step's token, filled as it drafts
-    assert valid[1, 1:p].all() and not valid[1, p + 2]   # head 2 chains no carry across the gap
+    assert length == p + 3 and throughout[0] >= length       # three gamma-0 steps before the first draft
+    assert valid[0, :p + 3].all() and valid[1, 1:p + 3].all()   # both heads: prompt, skipped steps, last step
+    assert torch.equal(valid[:, :p + 3], throughout[1][:, :p + 3])
+    assert torch.allclose(keys[:, :, :p + 3], throughout[2][:, :, :p + 3], atol=1e-4)
 
 
 def test_a_deferred_prompt_fill_is_prefill_work_not_a_steps_drafting(root, monkeypatch):
@@ -220,6 +223,34 @@ def test_a_deferred_prompt_fill_is_prefill_work_not_a_steps_drafting(root, monke
     deferred = [p for p in st.prefills if p.rows == 0]
     assert len(deferred) == 2 and all(p.seconds >= 0.2 for p in deferred)   # batch 2: two admissions
     assert st.prefill_time_s >= 3 * 0.2
+
+
+def test_a_backlog_follows_its_rows_and_keeps_the_newest_tokens_when_full():
+    """Gamma-0 steps' tokens per slot: appended step by step, moved and dropped with their rows,
+    taken as one fill; a row that would exceed the size starts over from its newest step (the
+    older tokens become a masked gap: `add` says which rows)."""
+    from pipeline.engine.drafter import Backlog, PendingFill
+
+    def step(rows, start, count, tok):
+        n = len(rows)
+        return PendingFill(torch.tensor(rows), torch.tensor(start), torch.full((n, 2, 1), float(tok)),
+                           torch.full((n, 2), tok), torch.tensor(count))
+
+    b = Backlog(batch_size=4, size=3, device="cpu")
+    assert not b and b.take() is None
+    assert not b.add(step([1, 2], [10, 20], [1, 1], 5)).any()
+    assert not b.add(step([1, 2], [11, 21], [1, 2], 6)).any()
+    assert b.tokens == {1: 2, 2: 3}
+    b.move(2, 0)
+    b.drop([1])
+    fill = b.take()
+    assert fill.rows.tolist() == [0] and fill.start.tolist() == [20] and fill.count.tolist() == [3]
+    assert fill.next_ids.tolist() == [[5, 6, 6]] and fill.hidden[0, :, 0].tolist() == [5.0, 6.0, 6.0]
+    assert not b
+    b.add(step([3], [30], [2], 7))
+    assert b.add(step([3], [32], [2], 8)).tolist() == [True]          # 4 > 3: the newest step alone
+    fill = b.take()
+    assert fill.start.tolist() == [32] and fill.count.tolist() == [2] and fill.next_ids.tolist() == [[8, 8]]
 
 
 def test_waiting_prompt_fills_follow_their_rows_as_they_move_and_finish():
@@ -295,7 +326,7 @@ def test_a_batch_that_never_drafts_moves_no_head_cache_rows(root, monkeypatch):
 
 def test_a_step_prices_the_waiting_prompt_fills_per_token_their_rows_have_left(root):
     """What the gamma policy is told a speculative step would pay first: each waiting prompt's
-    fill (measured seconds per prompt token) over the tokens its row is expected to produce
+    fill (measured seconds per prompt token), in all and over the tokens its row is expected to produce
     still: the task's (or, with no task, the call's) median output length so far less what it
     has, else its budget."""
     from collections import deque
@@ -312,14 +343,16 @@ def test_a_step_prices_the_waiting_prompt_fills_per_token_their_rows_have_left(r
         r._admit()                          # prefilled: both prompts wait for the heads
         return r
 
-    assert run(engine.auto_policy())._waiting_fill_s() == 0.0      # no fill measured yet
+    assert run(engine.auto_policy())._waiting_fills() == (0.0, 0.0)    # no fill measured yet
     engine.costs.note_prompt_fill(0.01, 100)                        # 100 us a prompt token
-    assert run(engine.auto_policy())._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 19)   # budget: 20 - 1
+    per_left, whole = run(engine.auto_policy())._waiting_fills()
+    assert per_left == pytest.approx(1e-4 * (9 + 5) / 19)         # budget: 20 - 1
+    assert whole == pytest.approx(1e-4 * (9 + 5))                  # what the next speculative step runs first
     engine.output_lengths["t"] = deque([8, 8, 9])
-    assert run(engine.auto_policy())._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 7)    # median 8, 1 made
+    assert run(engine.auto_policy())._waiting_fills()[0] == pytest.approx(1e-4 * (9 + 5) / 7)    # median 8, 1 made
     untold = run(engine.auto_policy(), task=None)            # a call of no task: its own rows' lengths only
-    assert untold._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 19)
+    assert untold._waiting_fills()[0] == pytest.approx(1e-4 * (9 + 5) / 19)
     untold.lengths.extend([4, 4])
-    assert untold._waiting_fill_s() == pytest.approx(1e-4 * (9 + 5) / 3)
+    assert untold._waiting_fills()[0] == pytest.approx(1e-4 * (9 + 5) / 3)
     from pipeline.spec_decode.policy import FixedGamma
-    assert run(FixedGamma(2))._waiting_fill_s() == 0.0               # a fixed gamma decides nothing
+    assert run(FixedGamma(2))._waiting_fills() == (0.0, 0.0)         # a fixed gamma decides nothing

@@ -366,6 +366,27 @@ def test_at_gamma_0_a_speculative_price_is_re_measured_within_its_budget():
     assert steps >= MIN_LOCAL * loss / policy.remeasure_share - MIN_LOCAL     # not before its budget
     assert spec > MIN_LOCAL and policy.choose(ctx) > 0 and not policy.decisions[-1].measuring   # speculating
 
+def test_prompt_fills_a_speculative_re_measure_would_run_count_in_its_budget():
+    """The first step of a speculative re-measure runs the heads over every waiting prompt, lost
+    work if plain decoding stays ahead: fills worth 2 plain steps add 2 / MIN_LOCAL to each of its
+    steps' loss, so the re-measure waits that much longer."""
+    def first_remeasure(fills_s):
+        local, measured, policy = _spell_setup()
+        _timed_steps(local, measured, 0, 10.0, 16)
+        _timed_steps(local, measured, 1, 40.0, 16)           # gamma 1 priced in a slow spell
+        ctx = StepContext(rows=1, context_len=100, stats=SpecStats(), waiting_fill_total_s=fills_s)
+        for step in range(20000):
+            if policy.choose(ctx):
+                return step, policy.decisions[-1]
+            _timed_steps(local, measured, 0, 10.0, 1)
+    plain, d = first_remeasure(0.0)
+    filled, e = first_remeasure(20e-3)
+    loss = max(1 - d.predicted_goodput[1] / d.predicted_goodput[0], GoodputPolicy.min_gain)
+    assert "re-measuring gamma 1" in d.reason and "re-measuring gamma 1" in e.reason
+    assert filled >= MIN_LOCAL * (loss + 2 / MIN_LOCAL) / GoodputPolicy.remeasure_share - MIN_LOCAL
+    assert filled - plain >= 2 / GoodputPolicy.remeasure_share - 2 * MIN_LOCAL      # 400 steps later
+
+
 def test_re_measures_share_one_budget_over_every_bucket():
     """A batch draining through many rows buckets, each priced long ago, re-measures one bucket
     per budget window, not every bucket it passes (before: all 9 here, 36 of 36 steps)."""
@@ -538,3 +559,20 @@ def test_drafting_measured_at_one_context_is_not_priced_as_context():
     spread = fit_cost_model(steps([40.0, 150.0, 400.0]))
     assert spread.draft_ctx_s > 0
     assert spread.draft_s(1, 2, 400.0) > spread.draft_s(1, 2, 40.0)
+
+
+def test_a_near_tie_that_a_sliver_of_optimism_tips_is_not_explored():
+    """400 row-steps put a_1 at 0.65: gamma 1 predicts just under the margin over plain decoding
+    (19 ms against 12 ms a step), one deviation more (0.68) just over it. That doubt lifts gamma
+    1's goodput by ~1.5%, less than the margin: plain decoding, no exploring. The same mean from
+    20 row-steps lifts it by ~6%: exploring."""
+    strong = SpecStats([400, 262], [262, 170])
+    ctx = StepContext(rows=1, context_len=50, stats=SpecStats())
+    d = choose_gamma(MARGINAL, estimate_acceptance(strong.reached, strong.accepted, GMAX), 1, 50, GMAX)
+    hi = choose_gamma(MARGINAL, upper_acceptance(strong.reached, strong.accepted, GMAX), 1, 50, GMAX)
+    gp, hgp = d.predicted_goodput, hi.predicted_goodput
+    assert gp[1] < gp[0] * 1.05 < hgp[1]                 # the mean: inside the margin; optimism: outside it
+    policy = GoodputPolicy(GMAX, lambda: MARGINAL, prior=strong, calibrated=True)
+    assert policy.choose(ctx) == 0 and not policy.decisions[-1].exploring
+    weak = GoodputPolicy(GMAX, lambda: MARGINAL, prior=SpecStats([20, 13], [13, 8]), calibrated=True)
+    assert weak.choose(ctx) > 0 and weak.decisions[-1].exploring

@@ -11,12 +11,14 @@ Head k at position i thus takes head k-1's output at i-1: DeepSeek's depth-k inp
 k-1 positions, which RoPE's relative form makes the same attention. Entries a head cannot have
 (gaps after gamma-0 steps, the first k-1 positions of a prompt) are masked by `valid`.
 
-A gamma-0 step skips the heads, and what it leaves unfilled becomes such a gap, except a
-prompt's fill: it waits (`PendingPrompts`) until the row next drafts. Heads that never saw the
-prompt draft far worse for the row's whole length (json at gamma 3: 2.33 tokens per step against
-3.16 where the first three steps ran gamma 0; docs/decisions.md, 2026-12-02), while a gap of a
-few generated tokens costs nothing measurable. A prompt's fill is prefill work wherever it
-runs: `propose` times it apart (`take_prompt_fill`), so no step's drafting is priced with it.
+A gamma-0 step skips the heads. What it leaves unfilled waits until the row next drafts: a
+prompt's fill (`PendingPrompts`), and the tokens of its gamma-0 steps with their target hidden
+states (`Backlog`, up to BACKLOG_TOKENS a row; older ones become a masked gap). Heads that miss
+part of a row draft worse for the rest of it: json at gamma 3 drafted 2.33 tokens per step
+against 3.16 where the prompt was dropped after three gamma-0 steps (docs/decisions.md,
+2026-12-02); complete 2.87 against 3.15 after 48 skipped tokens (2026-12-03). These fills are
+prefill work wherever they run: `propose` times them apart (`take_prompt_fill`), so no step's
+drafting is priced with them.
 """
 from __future__ import annotations
 
@@ -95,6 +97,77 @@ class PendingPrompts:
         return out
 
 
+BACKLOG_TOKENS = 64     # a row's gamma-0 tokens kept for its heads' next fill; older ones are a gap
+
+
+class Backlog:
+    """Per slot, the tokens its heads skipped (gamma-0 steps) with their target hidden states,
+    run through the heads before the row's next draft (module docstring). Buffers are made at
+    the first skip; counts are mirrored on the host (`tokens`: the policy prices the catch-up).
+    A row that would hold more than `size` starts over from its newest step: the tokens before
+    are a masked gap (`add` returns which rows).
+    Example: slot 2 skips positions 40, 41, 42: `take` gives one fill of rows [2], start [40],
+    count [3]."""
+
+    def __init__(self, batch_size: int, size: int, device):
+        self.size, self.batch_size, self.device = size, batch_size, device
+        self.hidden: torch.Tensor | None = None        # [B, size, H]
+        self.ids: torch.Tensor | None = None           # [B, size] the token after each position
+        self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.count = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.tokens: dict[int, int] = {}               # slot -> tokens held
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens)
+
+    def add(self, p: PendingFill) -> torch.Tensor:
+        """Append a step's accepted tokens per row; returns [r] bool: rows whose older tokens
+        were dropped (their heads' cache has a gap before these)."""
+        r, w = p.next_ids.shape
+        if self.hidden is None:
+            self.hidden = p.hidden.new_zeros(self.batch_size, self.size, p.hidden.shape[-1])
+            self.ids = p.next_ids.new_zeros(self.batch_size, self.size)
+        old = self.count[p.rows]
+        over = old + p.count > self.size
+        old = torch.where(over, 0, old)
+        skip = (p.count - self.size).clamp(min=0)                             # a step longer than the size
+        steps = torch.arange(w, device=p.rows.device)
+        keep = (steps >= skip[:, None]) & (steps < p.count[:, None])          # [r, w]
+        rows = p.rows[:, None].expand(r, w)[keep]
+        cols = (old[:, None] + steps - skip[:, None])[keep]
+        self.hidden[rows, cols] = p.hidden[keep]
+        self.ids[rows, cols] = p.next_ids[keep]
+        self.start[p.rows] = torch.where(old == 0, p.start + skip, self.start[p.rows])
+        self.count[p.rows] = old + p.count - skip
+        for slot, n in zip(p.rows.tolist(), self.count[p.rows].tolist()):
+            self.tokens[slot] = n
+        return over
+
+    def drop(self, slots: list[int]) -> None:
+        for s in slots:
+            if self.tokens.pop(s, None) is not None:
+                self.count[s] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        n = self.tokens.pop(src, None)
+        if n is not None:
+            self.hidden[dst], self.ids[dst] = self.hidden[src], self.ids[src]
+            self.start[dst], self.count[dst], self.count[src] = self.start[src], self.count[src], 0
+            self.tokens[dst] = n
+
+    def take(self) -> PendingFill | None:
+        """Every held row's tokens as one fill (padded to the longest); none held after."""
+        if not self.tokens:
+            return None
+        rows = torch.tensor(sorted(self.tokens), device=self.device)
+        width = max(self.tokens.values())
+        fill = PendingFill(rows, self.start[rows], self.hidden[rows, :width], self.ids[rows, :width],
+                           self.count[rows])
+        self.count[rows] = 0
+        self.tokens = {}
+        return fill
+
+
 class Drafter:
     def __init__(self, heads, batch_size: int, capacity: int, hidden_size: int, dtype, device,
                  cache: KVCache | None = None):
@@ -107,14 +180,14 @@ class Drafter:
         self.valid = torch.zeros(k, batch_size, capacity, dtype=torch.bool, device=device)   # [K, B, T]
         self.carry = torch.zeros(k, batch_size, hidden_size, dtype=dtype, device=device)     # [K, B, H]
         self.carry_ok = torch.zeros(batch_size, dtype=torch.bool, device=device)            # [B]
-        self._carry_set = False       # False: carry_ok is all False (a run of gamma-0 steps skips resetting it)
         self.pending: list[PendingFill] = []     # the last verify step's accepted tokens (or a probe's)
         self.prompts = PendingPrompts()            # prompts not yet run through the heads
+        self.backlog = Backlog(batch_size, BACKLOG_TOKENS, device)   # gamma-0 steps' tokens, likewise
         self.held: set[int] = set()                # slots whose heads' cache may hold entries (host side)
-        self.gap = torch.zeros(batch_size, dtype=torch.bool, device=device)   # [B] skipped tokens after its prompt
+        self.gap = torch.zeros(batch_size, dtype=torch.bool, device=device)   # [B] tokens lost after its prompt
         self.full_vocab_picks = False  # coupled sampling: a head's draft vocabulary is picked over as -inf columns
-        self.prompt_fill_s = 0.0       # seconds of prompt fills run by `propose` since the last take ...
-        self.prompt_fill_tokens = 0    # ... and the prompt tokens they filled
+        self.prompt_fill_s = 0.0       # seconds of prompt and backlog fills run by `propose` since the last take ...
+        self.prompt_fill_tokens = 0    # ... and the tokens they filled
 
     # ---- slot management -------------------------------------------------------------------
     def reset_rows(self, rows: torch.Tensor) -> None:
@@ -137,11 +210,14 @@ class Drafter:
         for p in self.pending:
             p.rows[p.rows == src] = dst
         self.prompts.move(src, dst)
+        self.backlog.move(src, dst)
 
     def drop_rows(self, rows: torch.Tensor) -> None:
         self.pending = [p.select(~torch.isin(p.rows, rows)) for p in self.pending]
-        if self.prompts:
-            self.prompts.drop(rows.tolist())
+        if self.prompts or self.backlog:
+            slots = rows.tolist()
+            self.prompts.drop(slots)
+            self.backlog.drop(slots)
 
     def add_pending(self, fill: PendingFill) -> None:
         self.pending.append(fill)
@@ -151,15 +227,15 @@ class Drafter:
         self.prompts.add(fill, slots, lengths)
 
     def discard_pending(self) -> None:
-        """A gamma-0 step skips the heads: the last step's accepted tokens become a masked gap,
-        so no row's carry is valid after it, nor after a waiting prompt of such a row (`gap`).
-        Prompt fills keep waiting (module docstring)."""
-        if self._carry_set:
-            self.carry_ok.zero_()
-            self._carry_set = False
-        if self.prompts:
-            for p in self.pending:
-                self.gap[p.rows] = True
+        """A gamma-0 step skips the heads: the last step's accepted tokens join their rows'
+        backlog, filled at the next draft (module docstring). Where a backlog overflows, its
+        older tokens are a masked gap: no carry crosses it, nor one from a waiting prompt (`gap`)."""
+        for p in self.pending:
+            if p.rows.numel():
+                over = self.backlog.add(p)
+                if bool(over.any()):
+                    self.carry_ok[p.rows[over]] = False
+                    self.gap[p.rows[over]] = True
         self.pending = []
 
     # ---- drafting ----------------------------------------------------------------------------
@@ -170,11 +246,13 @@ class Drafter:
         heads' draft vocabulary, [n, Vd], where they have one; mapped back to V here).
         Returns (drafts [n, gamma], draft_probs [n, gamma, V] or None)."""
         first_out = torch.empty(n, self.carry.shape[-1], dtype=self.carry.dtype, device=self.carry.device)
-        if self.prompts:                   # each its rows' first fill, so before the last step's
-            self.prompt_fill_tokens += sum(self.prompts.tokens.values())
+        if self.prompts or self.backlog:   # in position order: prompts, skipped steps, the last step
             t0 = self._clock()
+            self.prompt_fill_tokens += sum(self.prompts.tokens.values()) + sum(self.backlog.tokens.values())
             for p in self.prompts.take(self.carry.device):
                 first_out[p.rows] = self._fill(p)
+            if (b := self.backlog.take()) is not None:
+                first_out[b.rows] = self._fill(b)
             self.prompt_fill_s += self._clock() - t0
         for p in self.pending:
             if p.rows.numel():
@@ -204,7 +282,7 @@ class Drafter:
         return torch.stack(drafts, dim=1), draft_probs
 
     def take_prompt_fill(self) -> tuple[float, int]:
-        """(seconds, prompt tokens) of the prompt fills `propose` ran since the last take
+        """(seconds, tokens) of the prompt and backlog fills `propose` ran since the last take
         (prefill work, not drafting)."""
         out = self.prompt_fill_s, self.prompt_fill_tokens
         self.prompt_fill_s, self.prompt_fill_tokens = 0.0, 0
@@ -240,5 +318,4 @@ class Drafter:
             if first is None:
                 first = out[idx, last]
         self.carry_ok[p.rows] = ~self.gap[p.rows] if p.from_zero else True
-        self._carry_set = True
         return first

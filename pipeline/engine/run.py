@@ -150,9 +150,10 @@ class GenerateRun:
         t_choose = time.perf_counter()
         lengths = s.lengths[:n]                     # unchanged until s.advance below
         ctx = float(lengths.float().mean())
+        per_token_left, fills = self._waiting_fills()
         gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
-                                                   rows_apart=self._rows_apart(n),
-                                                   waiting_fill_s=self._waiting_fill_s())), self.mtp_cap)
+                                                   rows_apart=self._rows_apart(n), waiting_fill_s=per_token_left,
+                                                   waiting_fill_total_s=fills)), self.mtp_cap)
         t0 = time.perf_counter()
         keys = s.keys[:n]
         pick = lambda lg, d: self._pick_draft(lg, keys, lengths + d)    # noqa: E731
@@ -206,29 +207,34 @@ class GenerateRun:
         if row.finished:
             self.lengths.append(len(row.tokens))
 
-    def _waiting_fill_s(self) -> float:
-        """For the cost-model policy: the heads' fills of prompts still waiting (rows that have
-        not drafted yet; a speculative step runs them first), as seconds per token those rows
-        are expected to produce still, summed over them (pipeline.spec_decode.policy). A row's
+    def _waiting_fills(self) -> tuple[float, float]:
+        """For the cost-model policy: the heads' waiting fills (prompts of rows that have not
+        drafted yet, tokens of gamma-0 steps: a speculative step runs them first), as seconds
+        per token their rows are expected to produce still, summed over them, and as seconds in
+        all (pipeline.spec_decode.policy). A row's
         expected remainder: the median output length of its task's recent rows in this engine
         (of this call's rows where the call names no task: calls of different tasks would mix)
         less what it has, at least 1, within its budget (its budget alone before any row ended).
         Example: a 114-token prompt at 22 us a token, its task's rows ending at 8 tokens, 1
         generated: 2.5 ms / 7 = 0.36 ms per token left."""
         d = self.drafter
-        per_token = self.e.costs.prompt_fill_s_per_token() if self.refine and d is not None and d.prompts else None
+        waiting = d is not None and (d.prompts or d.backlog)
+        per_token = self.e.costs.prompt_fill_s_per_token() if self.refine and waiting else None
         if per_token is None:
-            return 0.0
+            return 0.0, 0.0
         typical = statistics.median(self.lengths) if self.lengths else None
-        total = 0.0
-        for slot, tokens in d.prompts.tokens.items():
+        total = whole = 0.0
+        held = d.backlog.tokens
+        for slot in d.prompts.tokens.keys() | held.keys():
+            tokens = d.prompts.tokens.get(slot, 0) + held.get(slot, 0)
             r = self.slots.rows[slot]
             if r is None:
                 continue
             left = r.max_new - len(r.tokens)
             expect = left if typical is None else min(left, max(typical - len(r.tokens), 1))
             total += per_token * tokens / max(expect, 1)
-        return total
+            whole += per_token * tokens
+        return total, whole
 
     def _rows_apart(self, n: int) -> tuple:
         """For the cost-model policy: the rows it prices on their own (pipeline.spec_decode.policy):

@@ -19,9 +19,10 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
 - Exploring: plain decoding drafts nothing, so an acceptance estimate that picks it is never
   corrected. Where the mean picks gamma 0 but `optimism` posterior deviations more acceptance
   would speculate (a weak prior, a few drafts seen), the shallowest gamma that pays under that
-  view runs, re-decided every step; the deviation shrinks with each drafted row-step. Likewise
-  deeper: gamma g observes no depth beyond g, so where that view picks deeper than the mean's
-  g >= 1, g + 1 runs.
+  view runs, re-decided every step; the deviation shrinks with each drafted row-step. Only
+  where that view gains by more than `min_gain` over the mean's: a near-tie is the cost
+  model's to settle, not acceptance's. Likewise deeper: gamma g observes no depth beyond g, so
+  where that view picks deeper than the mean's g >= 1, g + 1 runs.
 - A row's heads' prompt fill waits until the row first drafts (pipeline.engine.drafter), so
   the first speculative step pays it: `StepContext.waiting_fill_s`, the waiting fills' measured
   seconds per token their rows are expected to produce still (the median output length of the
@@ -43,12 +44,14 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
 - Speculation priced by its own steps, on the same budget: at gamma 0, the best speculative
   gamma of those run at this bucket runs MIN_LOCAL steps (marked `measuring`) once its steps
   there are older than MIN_LOCAL * loss / `remeasure_share` engine steps (loss: how far it is
-  predicted behind, at least `min_gain`). A price taken in a slow spell would otherwise keep a
-  call at gamma 0 for good; the check costs at most `remeasure_share` of the steps, scaled by
-  the predicted loss. The budget is the engine's, not each bucket's: a re-measure starts only
-  once the last one's MIN_LOCAL * gap / `remeasure_share` steps have passed
-  (`LocalCorrection.next_remeasure`). Per bucket, a batch of 48 draining through ten rows
-  buckets after a long batch-1 call re-measured every one of them: 35 of 126 steps, 10%.
+  predicted behind, at least `min_gain`, plus the waiting prompt fills its first step runs,
+  `StepContext.waiting_fill_total_s`, spread over its MIN_LOCAL steps). A price taken in a
+  slow spell would otherwise keep a call at gamma 0 for good; the check costs at most
+  `remeasure_share` of the steps, scaled by the predicted loss. The budget is the engine's,
+  not each bucket's: a re-measure starts only once the last one's MIN_LOCAL * gap /
+  `remeasure_share` steps have passed (`LocalCorrection.next_remeasure`). Per bucket, a batch
+  of 48 draining through ten rows buckets after a long batch-1 call re-measured every one of
+  them: 35 of 126 steps, 10%.
 - No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
   takes none: pipeline.engine.warm_start): `explore` runs gamma 0, 1, 2 on real steps, the
   three shapes the model is then fitted from.
@@ -85,6 +88,7 @@ class StepContext:
     stats: SpecStats        # what this generate call has measured so far
     rows_apart: tuple[tuple[int, int, int], ...] = ()   # (tokens left, steps drafted, first-draft hits)
     waiting_fill_s: float = 0.0     # the heads' waiting prompt fills, seconds per token their rows have left
+    waiting_fill_total_s: float = 0.0   # ... and in all: what the next speculative step runs first
 
 
 class GammaPolicy(Protocol):
@@ -224,7 +228,7 @@ class GoodputPolicy:
             d = self._explore_deeper(d, model, ctx, reached, accepted)
         if model.local is not None:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
-            d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len)
+            d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len, ctx.waiting_fill_total_s)
         return self._record(d)
 
     def _priced(self, model: CostModel, acceptance: list[float], ctx: StepContext) -> Decision:
@@ -238,18 +242,24 @@ class GoodputPolicy:
         estimate that is low (a weak prior, a few unlucky drafts) would otherwise never be
         corrected. It explores at the shallowest gamma that pays under that view: the first
         depth's acceptance decides most, and a deep draft that is rejected costs the most. The
-        deviation shrinks as drafts are seen, so exploring ends by itself."""
+        deviation shrinks as drafts are seen, so exploring ends by itself.
+        Only where the doubt matters: that view must lift the gamma's goodput by more than
+        `min_gain` over the mean's. A near-tie that a sliver more acceptance tips over the
+        margin is left to the cost model (at batch 48 a 387-row-step prior's a1 0.72 -> 0.74
+        had a call explore gamma 3 that ran 15% behind plain decoding, filling 24 prompts)."""
         hi = upper_acceptance(reached, accepted, self.gamma_max, self.optimism)
         gp = d.predicted_goodput           # E's ratio at the same step cost bounds the optimistic goodput
                                            # (rows priced apart aside): a cheap test before pricing again
-        bound = max((gp[g] * expected_tokens(hi, g) / expected_tokens(d.acceptance, g) for g in range(1, len(gp))),
-                    default=0.0)
+        lift = [expected_tokens(hi, g) / expected_tokens(d.acceptance, g) for g in range(len(gp))]
+        bound = max((gp[g] * lift[g] for g in range(1, len(gp)) if lift[g] > 1 + self.min_gain), default=0.0)
         if bound <= gp[0] * (1 + self.min_gain):
             return d                       # where even that cannot pay, the mean's choice stands unpriced
         e = self._priced(model, hi, ctx)
-        if e.gamma == 0:
+        egp, m = e.predicted_goodput, 1 + self.min_gain
+        paying = [k for k in e.candidates if k and egp[k] > egp[0] * m and egp[k] > gp[k] * m]
+        if not paying:
             return d
-        g = min(k for k in e.candidates if k and e.predicted_goodput[k] > e.predicted_goodput[0] * (1 + self.min_gain))
+        g = min(paying)
         return Decision(g, f"rows={ctx.rows}: exploring gamma {g}: plain decoding by the mean "
                            f"(a1={d.acceptance[0]:.2f}), gamma {e.gamma} at {self.optimism:g} posterior "
                            f"deviation(s) more acceptance (a1={hi[0]:.2f}, {reached[0] if reached else 0} row-steps); "
@@ -294,9 +304,15 @@ class GoodputPolicy:
             return d                                           # never run here: priced by the call's own steps
         return self._remeasure(d, 0, "plain decoding", gap, local, rows, ctx)
 
-    def _measure_speculation(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
+    def _measure_speculation(self, d: Decision, local: LocalCorrection, rows: int, ctx: float,
+                             fills_s: float = 0.0) -> Decision:
         """Where `d` is plain decoding by prediction, run the best speculative gamma instead once
-        its price at this shape is older than the budget allows (module docstring)."""
+        its price at this shape is older than the budget allows (module docstring). Its first
+        step runs the heads over every waiting prompt (`fills_s` seconds), work lost if plain
+        decoding stays ahead: counted in the re-measure's loss, spread over its MIN_LOCAL steps.
+        Example: 48 rows at gamma 0 after admission, fills of 1.5 plain steps: a gamma 1
+        predicted 5% behind loses 0.05 + 1.5 / 4 = 0.43 of each of its steps, so it is
+        re-measured 8.5x less often."""
         goodput = d.predicted_goodput
         if d.gamma != 0 or d.measuring or len(goodput) < 2 or goodput[0] <= 0:
             return d
@@ -304,7 +320,8 @@ class GoodputPolicy:
         if not ran:
             return d                       # none run at this shape: their prices are borrowed, not stale
         g = max(ran, key=lambda k: (goodput[k], -k))
-        loss = max(1 - goodput[g] / goodput[0], self.min_gain)
+        plain_step_s = rows / goodput[0]
+        loss = max(1 - goodput[g] / goodput[0], self.min_gain) + fills_s / plain_step_s / MIN_LOCAL
         return self._remeasure(d, g, f"gamma {g}", loss, local, rows, ctx)
 
     def _remeasure(self, d: Decision, gamma: int, what: str, gap: float, local: LocalCorrection, rows: int,
@@ -337,13 +354,14 @@ def _remeasured(d: Decision, gamma: int, what: str, gap: float, local: LocalCorr
     """`gamma` run instead of `d`, marked measuring, while a re-measure of its price at this shape
     is under way (`started` by the policy, fewer than MIN_LOCAL steps since the bucket was
     revisited) or due: its steps here are older than MIN_LOCAL * gap / share policy steps (gap:
-    how far it is predicted behind). None when its price stands."""
+    what it is predicted to lose per step: how far behind, and a speculation's prompt fills).
+    None when its price stands."""
     age, visit = local.age(gamma, rows, ctx), local.visit_steps(gamma, rows, ctx)
     ongoing = started and visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
     if not ongoing and age <= MIN_LOCAL * gap / share:
         return None
     return Decision(gamma, f"rows={rows}: re-measuring {what} at this shape (last run here {age} steps ago, "
-                           f"predicted {gap:.0%} behind; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
+                           f"predicted to lose {gap:.0%} of each step; {visit if ongoing else 0}/{MIN_LOCAL} steps); "
                            f"then: {d.reason}",
                     d.candidates, d.predicted_goodput, d.acceptance, measuring=True)
 
