@@ -560,19 +560,3 @@ def test_drafting_measured_at_one_context_is_not_priced_as_context():
     assert spread.draft_ctx_s > 0
     assert spread.draft_s(1, 2, 400.0) > spread.draft_s(1, 2, 40.0)
 
-
-def test_a_near_tie_that_a_sliver_of_optimism_tips_is_not_explored():
-    """400 row-steps put a_1 at 0.65: gamma 1 predicts just under the margin over plain decoding
-    (19 ms against 12 ms a step), one deviation more (0.68) just over it. That doubt lifts gamma
-    1's goodput by ~1.5%, less than the margin: plain decoding, no exploring. The same mean from
-    20 row-steps lifts it by ~6%: exploring."""
-    strong = SpecStats([400, 262], [262, 170])
-    ctx = StepContext(rows=1, context_len=50, stats=SpecStats())
-    d = choose_gamma(MARGINAL, estimate_acceptance(strong.reached, strong.accepted, GMAX), 1, 50, GMAX)
-    hi = choose_gamma(MARGINAL, upper_acceptance(strong.reached, strong.accepted, GMAX), 1, 50, GMAX)
-    gp, hgp = d.predicted_goodput, hi.predicted_goodput
-    assert gp[1] < gp[0] * 1.05 < hgp[1]                 # the mean: inside the margin; optimism: outside it
-    policy = GoodputPolicy(GMAX, lambda: MARGINAL, prior=strong, calibrated=True)
-    assert policy.choose(ctx) == 0 and not policy.decisions[-1].exploring
-    weak = GoodputPolicy(GMAX, lambda: MARGINAL, prior=SpecStats([20, 13], [13, 8]), calibrated=True)
-    assert weak.choose(ctx) > 0 and weak.decisions[-1].exploring

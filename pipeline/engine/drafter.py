@@ -97,7 +97,7 @@ class PendingPrompts:
         return out
 
 
-BACKLOG_TOKENS = 64     # a row's gamma-0 tokens kept for its heads' next fill; older ones are a gap
+BACKLOG_TOKENS = 16     # a row's gamma-0 tokens kept for its heads' next fill; older ones are a gap
 
 
 class Backlog:

@@ -19,10 +19,9 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
 - Exploring: plain decoding drafts nothing, so an acceptance estimate that picks it is never
   corrected. Where the mean picks gamma 0 but `optimism` posterior deviations more acceptance
   would speculate (a weak prior, a few drafts seen), the shallowest gamma that pays under that
-  view runs, re-decided every step; the deviation shrinks with each drafted row-step. Only
-  where that view gains by more than `min_gain` over the mean's: a near-tie is the cost
-  model's to settle, not acceptance's. Likewise deeper: gamma g observes no depth beyond g, so
-  where that view picks deeper than the mean's g >= 1, g + 1 runs.
+  view runs, re-decided every step; the deviation shrinks with each drafted row-step. Likewise
+  deeper: gamma g observes no depth beyond g, so where that view picks deeper than the mean's
+  g >= 1, g + 1 runs.
 - A row's heads' prompt fill waits until the row first drafts (pipeline.engine.drafter), so
   the first speculative step pays it: `StepContext.waiting_fill_s`, the waiting fills' measured
   seconds per token their rows are expected to produce still (the median output length of the
@@ -242,24 +241,18 @@ class GoodputPolicy:
         estimate that is low (a weak prior, a few unlucky drafts) would otherwise never be
         corrected. It explores at the shallowest gamma that pays under that view: the first
         depth's acceptance decides most, and a deep draft that is rejected costs the most. The
-        deviation shrinks as drafts are seen, so exploring ends by itself.
-        Only where the doubt matters: that view must lift the gamma's goodput by more than
-        `min_gain` over the mean's. A near-tie that a sliver more acceptance tips over the
-        margin is left to the cost model (at batch 48 a 387-row-step prior's a1 0.72 -> 0.74
-        had a call explore gamma 3 that ran 15% behind plain decoding, filling 24 prompts)."""
+        deviation shrinks as drafts are seen, so exploring ends by itself."""
         hi = upper_acceptance(reached, accepted, self.gamma_max, self.optimism)
         gp = d.predicted_goodput           # E's ratio at the same step cost bounds the optimistic goodput
                                            # (rows priced apart aside): a cheap test before pricing again
-        lift = [expected_tokens(hi, g) / expected_tokens(d.acceptance, g) for g in range(len(gp))]
-        bound = max((gp[g] * lift[g] for g in range(1, len(gp)) if lift[g] > 1 + self.min_gain), default=0.0)
+        bound = max((gp[g] * expected_tokens(hi, g) / expected_tokens(d.acceptance, g) for g in range(1, len(gp))),
+                    default=0.0)
         if bound <= gp[0] * (1 + self.min_gain):
             return d                       # where even that cannot pay, the mean's choice stands unpriced
         e = self._priced(model, hi, ctx)
-        egp, m = e.predicted_goodput, 1 + self.min_gain
-        paying = [k for k in e.candidates if k and egp[k] > egp[0] * m and egp[k] > gp[k] * m]
-        if not paying:
+        if e.gamma == 0:
             return d
-        g = min(paying)
+        g = min(k for k in e.candidates if k and e.predicted_goodput[k] > e.predicted_goodput[0] * (1 + self.min_gain))
         return Decision(g, f"rows={ctx.rows}: exploring gamma {g}: plain decoding by the mean "
                            f"(a1={d.acceptance[0]:.2f}), gamma {e.gamma} at {self.optimism:g} posterior "
                            f"deviation(s) more acceptance (a1={hi[0]:.2f}, {reached[0] if reached else 0} row-steps); "
