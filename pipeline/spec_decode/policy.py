@@ -22,10 +22,11 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   view runs, re-decided every step; the deviation shrinks with each drafted row-step. Likewise
   deeper: gamma g observes no depth beyond g, so where that view picks deeper than the mean's
   g >= 1, g + 1 runs.
-- A row's heads' prompt fill waits until the row first drafts (pipeline.engine.drafter), so
-  the first speculative step pays it: `StepContext.waiting_fill_s`, the waiting fills' measured
-  seconds per token their rows are expected to produce still (the median output length of the
-  task's recent rows, or the call's), is added to a speculative step's cost E(gamma) times.
+- A row's heads' prompt fill, and the tokens of its gamma-0 steps (the backlog), wait until
+  the row next drafts (pipeline.engine.drafter), so the next speculative step pays them:
+  `StepContext.waiting_fill_s`, the waiting fills' measured seconds per token their rows are
+  expected to produce still (the median output length of the task's recent rows, or the
+  call's), is added to a speculative step's cost E(gamma) times.
   Rows with 7 tokens to go after a 114-token prompt on the demo's 4-layer target do not start
   drafting; rows with 60 do.
 - Rows priced apart (`StepContext.rows_apart`), the rest at the task's E: a row with r tokens
@@ -43,7 +44,7 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
 - Speculation priced by its own steps, on the same budget: at gamma 0, the best speculative
   gamma of those run at this bucket runs MIN_LOCAL steps (marked `measuring`) once its steps
   there are older than MIN_LOCAL * loss / `remeasure_share` engine steps (loss: how far it is
-  predicted behind, at least `min_gain`, plus the waiting prompt fills its first step runs,
+  predicted behind, at least `min_gain`, plus the waiting fills its first step runs,
   `StepContext.waiting_fill_total_s`, spread over its MIN_LOCAL steps). A price taken in a
   slow spell would otherwise keep a call at gamma 0 for good; the check costs at most
   `remeasure_share` of the steps, scaled by the predicted loss. The budget is the engine's,
@@ -86,7 +87,7 @@ class StepContext:
     context_len: float      # mean cached tokens per row
     stats: SpecStats        # what this generate call has measured so far
     rows_apart: tuple[tuple[int, int, int], ...] = ()   # (tokens left, steps drafted, first-draft hits)
-    waiting_fill_s: float = 0.0     # the heads' waiting prompt fills, seconds per token their rows have left
+    waiting_fill_s: float = 0.0     # the heads' waiting fills (prompts, backlogs), s per token their rows have left
     waiting_fill_total_s: float = 0.0   # ... and in all: what the next speculative step runs first
 
 
@@ -301,7 +302,7 @@ class GoodputPolicy:
                              fills_s: float = 0.0) -> Decision:
         """Where `d` is plain decoding by prediction, run the best speculative gamma instead once
         its price at this shape is older than the budget allows (module docstring). Its first
-        step runs the heads over every waiting prompt (`fills_s` seconds), work lost if plain
+        step runs the heads over every waiting fill (`fills_s` seconds), work lost if plain
         decoding stays ahead: counted in the re-measure's loss, spread over its MIN_LOCAL steps.
         Example: 48 rows at gamma 0 after admission, fills of 1.5 plain steps: a gamma 1
         predicted 5% behind loses 0.05 + 1.5 / 4 = 0.43 of each of its steps, so it is
