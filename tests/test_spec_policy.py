@@ -126,6 +126,22 @@ def test_fit_finds_the_multi_token_step_and_trusts_real_steps_over_the_profile()
     assert mixed.draft_s(1, 2) == pytest.approx(truth.draft_s(1, 2), rel=0.25)
 
 
+def test_fit_prices_per_row_work_that_does_not_grow_with_q():
+    # each row reads its KV cache once per step and carries a fixed cost, whatever its q: at 48
+    # rows one token costs 25 ms and four 65 ms (2.6x, not 4x); speculation is priced by that ratio
+    truth = CostModel((3e-3, 2.5e-4, 0.0, 0.0), 1.0, (1e-3, 1e-5, 1e-3, 1e-5), 0, row_coef=(2e-4, 2e-7))
+    profile = [StepRecord(g, r, g + 1, ctx, truth.verify_s(r, g + 1, ctx), truth.draft_s(r, g), 0)
+               for r in (1, 4, 16, 48) for g in range(6) for ctx in (64, 256)]
+    fit = fit_cost_model([], profile=profile)
+    for rows, ctx in ((48, 100), (16, 200), (1, 64)):
+        for q in (1, 4):
+            assert fit.verify_s(rows, q, ctx) == pytest.approx(truth.verify_s(rows, q, ctx), rel=0.02)
+    # records at one q cannot tell a row from a token: the per-row terms stay out of the fit
+    one_q = fit_cost_model([StepRecord(0, r, 1, 64, truth.verify_s(r, 1, 64), 0.0, 1) for r in (1, 4, 16, 48)])
+    assert one_q.row_coef == (0.0, 0.0)
+    assert one_q.verify_s(16, 1, 64) == pytest.approx(truth.verify_s(16, 1, 64), rel=0.02)
+
+
 def test_fit_recovers_the_per_step_overhead_and_the_policy_pays_it_once_per_step():
     truth = CostModel((1e-3, 1e-5, 0.0, 0.0), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, overhead_coef=(2e-3, 5e-5))
     steps = [StepRecord(g, r, g + 1, 50, truth.verify_s(r, g + 1, 50), truth.draft_s(r, g), 1,

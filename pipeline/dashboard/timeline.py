@@ -53,11 +53,13 @@ def _model_line(fig: go.Figure, name: str, model: Any, ctx: float, top: int, q: 
     grid = sorted({1 + round(j * (top - 1) / 60) for j in range(61)} | {int(model.knee)})
     a, b, h, c = model.verify_coef
     m = model.multi_token_s if q > 1 else 0.0
+    r, s = getattr(model, "row_coef", (0.0, 0.0))
     fig.add_trace(go.Scatter(
         name=name, x=grid, y=verify_line_ms(model, grid, q, ctx), mode="lines",
         line=dict(color=color, width=2, dash=dash),
         hovertemplate=(f"{(a + m) * 1e3:.3g} ms + {b * 1e3:.3g} ms·N + {h * 1e3:.3g} ms·max(0, N-{model.knee:g})"
-                       f" + {c * 1e3:.3g} ms·N·ctx<br>N=%{{x}}: %{{y:.2f}} ms<extra></extra>")))
+                       f" + {c * 1e3:.3g} ms·N·ctx + {r * 1e3:.3g} ms·rows + {s * 1e3:.3g} ms·rows·ctx"
+                       f"<br>N=%{{x}}: %{{y:.2f}} ms<extra></extra>")))
 
 
 def policy_model(rows: Rows, device: str) -> Any:

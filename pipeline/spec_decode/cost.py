@@ -3,9 +3,16 @@
 verify_s(rows, q, ctx): a target forward over rows x q tokens against ctx cached tokens. On an
 accelerator it is flat while memory-bound (weights are read once whatever the batch) and rises
 once compute-bound; so it is a hinge in N = rows * q (knee by grid search over the measured N),
-plus a fixed extra cost m of a multi-token verify over one-token decoding, plus attention:
+plus a fixed extra cost m of a multi-token verify over one-token decoding, plus attention,
+plus what each row costs whatever its q (r: per-row work; s: its KV cache, read once per step):
 
-    verify_s = a + m * [q > 1] + b * N + h * max(0, N - knee) + c * N * ctx     (all >= 0)
+    verify_s = a + m * [q > 1] + b * N + h * max(0, N - knee) + c * N * ctx
+               + r * rows + s * rows * ctx                                        (all >= 0)
+
+Without the per-row terms a one-token step at 48 rows was priced 26% under its measured cost
+and a 4-token one right, so speculation at large batch looked a third dearer than it was
+(docs/decisions.md, 2026-12-03). They are fitted only where the records hold more than one q
+(else rows and N are one column).
 
 draft_s(rows, gamma, ctx): the heads' drafting (a step's draft time less its lookups, below):
 every head's fill over the tokens accepted last step (about rows * (gamma + 1)), attending to
@@ -79,9 +86,10 @@ def _constant(col: torch.Tensor) -> bool:
     return bool((col - col[0]).abs().max() <= 1e-12 * max(1.0, float(col.abs().max())))
 
 
-def _verify_features(n: torch.Tensor, multi: torch.Tensor, ctx: torch.Tensor, knee: float) -> torch.Tensor:
-    """Columns for a, m, b, h, c."""
-    return torch.stack([torch.ones_like(n), multi, n, (n - knee).clamp(min=0), n * ctx], dim=1)
+def _verify_features(n: torch.Tensor, multi: torch.Tensor, ctx: torch.Tensor, knee: float,
+                     rows: torch.Tensor) -> torch.Tensor:
+    """Columns for a, m, b, h, c, r, s (`rows` zero: the per-row terms left out)."""
+    return torch.stack([torch.ones_like(n), multi, n, (n - knee).clamp(min=0), n * ctx, rows, rows * ctx], dim=1)
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class CostModel:
     draft_ctx_s: float = 0.0                           # k
     overhead_coef: tuple[float, float] = (0.0, 0.0)    # o0, o1: per step, per row in the step
     lookup_row_s: float = 0.0                          # l: host-side drafting per row (n-gram lookup, choice)
+    row_coef: tuple[float, float] = (0.0, 0.0)         # r, s: per row, per row x context, whatever q
     local: "LocalCorrection | None" = field(default=None, compare=False)   # measured / modelled per shape
 
     def to_dict(self) -> dict:
@@ -110,8 +119,10 @@ class CostModel:
 
     def verify_s(self, rows: int, q: int, ctx: float) -> float:
         a, b, h, c = self.verify_coef
+        r, s = self.row_coef
         n = rows * q
-        return a + self.multi_token_s * (q > 1) + b * n + h * max(0.0, n - self.knee) + c * n * ctx
+        return (a + self.multi_token_s * (q > 1) + b * n + h * max(0.0, n - self.knee) + c * n * ctx
+                + (r + s * ctx) * rows)
 
     def draft_s(self, rows: int, gamma: int, ctx: float = 0.0) -> float:
         if gamma <= 0:
@@ -275,22 +286,24 @@ def _thin(values: list[float], most: int) -> list[float]:
     return [values[i] for i in sorted(set(picks))]
 
 
-def _fit_verify(n, multi, ctx, y, weight, knee):
-    x = _verify_features(n, multi, ctx, knee)
+def _fit_verify(n, multi, ctx, y, weight, knee, rows):
+    x = _verify_features(n, multi, ctx, knee, rows)
     coef = nnls(x, y, weight)
     return float((((x @ coef) - y) ** 2 * weight).sum()), knee, coef
 
 
-def best_knee_fit(n, multi, ctx, y, weight, most: int = 8):
+def best_knee_fit(n, multi, ctx, y, weight, most: int = 8, rows=None):
     """Grid search for the hinge over the distinct measured N: a coarse pass over `most`
-    quantiles, then a fine pass between the best one's neighbours (2 x `most` fits at most)."""
+    quantiles, then a fine pass between the best one's neighbours (2 x `most` fits at most).
+    `rows`: each record's rows, for the per-row terms (None: left out)."""
+    rows = torch.zeros_like(n) if rows is None else rows
     values = sorted(set(n.tolist()))
     coarse = _thin(values, most)
-    fits = [_fit_verify(n, multi, ctx, y, weight, k) for k in coarse]
+    fits = [_fit_verify(n, multi, ctx, y, weight, k, rows) for k in coarse]
     i = min(range(len(fits)), key=lambda j: fits[j][0])
     lo, hi = coarse[max(i - 1, 0)], coarse[min(i + 1, len(coarse) - 1)]
     fine = [v for v in _thin([v for v in values if lo <= v <= hi], most) if v not in coarse]
-    fits += [_fit_verify(n, multi, ctx, y, weight, k) for k in fine]
+    fits += [_fit_verify(n, multi, ctx, y, weight, k, rows) for k in fine]
     return min(fits, key=lambda f: f[0])
 
 
@@ -311,7 +324,9 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
     ctx = torch.tensor([float(s.context_len) for s, _ in records], **f64)
     y = torch.tensor([s.verify_s for s, _ in records], **f64)
     w = torch.tensor([w for _, w in records], **f64)
-    _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2)
+    qs = {s.query_len for s, _ in records}
+    rows = torch.tensor([float(s.rows) if len(qs) > 1 else 0.0 for s, _ in records], **f64)
+    _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2, rows=rows)
     drafted = [(s, wt) for s, wt in records if s.gamma > 0 and heads_draft_s(s) > 0]
     dcoef = torch.zeros(5, **f64)
     if drafted:
@@ -322,9 +337,10 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
         if not _spans([s.context_len for s, _ in drafted]):
             xd[:, 4] = 0.0                 # one context: its slope is not identified (NNLS would guess it)
         dcoef = nnls(xd, yd, wd / yd.clamp(min=1e-6) ** 2)
-    a, m, b, h, c = vcoef.tolist()
+    a, m, b, h, c, r, rs = vcoef.tolist()
     *dcoef, k = dcoef.tolist()
     model = CostModel((a, b, h, c), knee, tuple(dcoef), len(records), multi_token_s=m, draft_ctx_s=k,
+                      row_coef=(r, rs),
                       overhead_coef=_fit_overhead([s for s in steps if getattr(s, "overhead_s", 0.0) > 0]),
                       lookup_row_s=_fit_lookup(steps) or _fit_lookup(profile))
     real = [s for s in steps if s.verify_s > 0]
@@ -373,4 +389,5 @@ def rescale_to(model: CostModel, real) -> CostModel:
                           for s in drafted) if drafted else 1.0
     return replace(model, verify_coef=tuple(x * v for x in model.verify_coef),
                    draft_coef=tuple(x * d for x in model.draft_coef), multi_token_s=model.multi_token_s * v,
+                   row_coef=tuple(x * v for x in model.row_coef),
                    draft_ctx_s=model.draft_ctx_s * d)

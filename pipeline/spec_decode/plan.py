@@ -66,7 +66,8 @@ def busy_model(model: CostModel, available: float) -> CostModel:
         return model
     a, b, h, c = model.verify_coef
     d, e, f, g = model.draft_coef
-    return replace(model, verify_coef=(a, b / s, h / s, c / s), knee=model.knee * s,
+    r, rs = model.row_coef
+    return replace(model, verify_coef=(a, b / s, h / s, c / s), knee=model.knee * s, row_coef=(r / s, rs / s),
                    draft_coef=(d, e / s, f, g / s), draft_ctx_s=model.draft_ctx_s / s, local=None)
 
 
