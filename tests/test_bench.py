@@ -152,7 +152,8 @@ def test_cold_start_script_times_a_fresh_engine_against_fixed_gammas(tmp_path):
 
 def test_gamma_policy_calls_draft_with_the_heads_alone(tmp_path, monkeypatch):
     """The gamma-policy benchmark repeats the same prompts; with n-grams on, auto would draft
-    each answer from the previous call's copy of it. Every call it makes is draft="mtp"."""
+    each answer from the previous call's copy of it. Every call it makes is draft="mtp", and its
+    auto policies name the cell's task (as a run's plan does: that task's shipped prior)."""
     from pipeline.bench import gamma_policy as gp
     from pipeline.engine import Engine, SamplingParams
     from pipeline.spec_decode.stats import SpecStats
@@ -161,12 +162,15 @@ def test_gamma_policy_calls_draft_with_the_heads_alone(tmp_path, monkeypatch):
     seen = []
     real = Engine.generate
     monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: seen.append(k.get("draft")) or real(self, *a, **k))
+    tasks, real_policy = [], Engine.auto_policy
+    monkeypatch.setattr(Engine, "auto_policy", lambda self, *a, **k: tasks.append(k.get("task")) or real_policy(self, *a, **k))
     path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2, gamma_max=2)
     prompts = random_prompts([4, 6], 128, seed=1)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     spec = gp.GammaPolicySpec(model_path=str(path), data_path="", max_warmups=1)
-    cell = gp.Cell("t", 2, prompts, gp.warm_up(engine, spec, prompts, params))
+    cell = gp.Cell("t", 2, prompts, gp.warm_up(engine, spec, "t", prompts, params))
     for system in ("auto", 1, gp.CONTROL):
         gp.time_call(engine, cell, system, params)
     assert seen and set(seen) == {"mtp"}
+    assert len(tasks) == 2 and set(tasks) == {"t"}            # the warm-up's policy and the timed auto's

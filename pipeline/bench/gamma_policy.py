@@ -76,11 +76,12 @@ def load_engine(spec: GammaPolicySpec) -> Engine:
     return engine
 
 
-def warm_up(engine: Engine, spec: GammaPolicySpec, prompts: list[str], params: SamplingParams) -> SpecStats:
+def warm_up(engine: Engine, spec: GammaPolicySpec, task: str, prompts: list[str],
+            params: SamplingParams) -> SpecStats:
     """Runs of `auto` until the policy's calibration is done: the prior a later shard starts from."""
     prior = SpecStats()
     for _ in range(spec.max_warmups):
-        warm = engine.auto_policy(prior=prior)
+        warm = engine.auto_policy(prior=prior, task=task)
         engine.generate(prompts, params, gamma=warm, draft="mtp")
         prior = prior.merge(engine.last_stats.counts())
         if prior.reached and prior.reached[0] >= warm.calibration_rows:
@@ -94,7 +95,7 @@ def make_cells(engine: Engine, spec: GammaPolicySpec, params: SamplingParams) ->
         for b in spec.batches:
             prompts = task_prompts(spec.data_path, task, max(2 * b, spec.min_prompts))
             engine.max_batch_size = b
-            cells.append(Cell(task, b, prompts, warm_up(engine, spec, prompts, params)))
+            cells.append(Cell(task, b, prompts, warm_up(engine, spec, task, prompts, params)))
     return cells
 
 
@@ -102,7 +103,7 @@ def time_call(engine: Engine, cell: Cell, system, params: SamplingParams) -> Non
     """One timed call of `system` on the cell's prompts, recorded into the cell."""
     costs = engine.costs
     before = (costs.profiles_taken, costs.fits, costs.fit_seconds)
-    gamma = engine.auto_policy(prior=cell.prior) if system == "auto" else 0 if system == CONTROL else system
+    gamma = engine.auto_policy(prior=cell.prior, task=cell.task) if system == "auto" else 0 if system == CONTROL else system
     t0 = time.perf_counter()
     outs = engine.generate(cell.prompts, params, gamma=gamma, draft="mtp")
     dt = time.perf_counter() - t0

@@ -142,7 +142,7 @@ def warm_up(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
     for cell in cells:
         sut.engine.max_batch_size = cell.batch
         warm = cell.prompts if cell.batch >= 8 else cell_prompts(spec, sut.engine, cell.task, cell.prompt_length, 8)
-        sut.engine.generate(warm, _params(spec, cell), gamma=sut.engine.auto_policy(),
+        sut.engine.generate(warm, _params(spec, cell), gamma=sut.engine.auto_policy(task=cell.task),
                             draft="mtp" if "mtp" in sut.engine.draft_names else "none")
         priors[cell.key()] = sut.engine.last_stats.counts()
         if spec.drafts or spec.layouts:        # the n-gram source's acceptance by match length, likewise
@@ -167,11 +167,11 @@ def measure(spec: BenchSpec, sut: Systems, cell: Cell, name: str, prior) -> Meas
         _fresh_index(sut, cell)
         sut.engine.verify_layout = layout or "auto"
         try:
-            return run_engine(sut.engine, cell.prompts, params, sut.engine.auto_policy(prior=prior), sut.roofline,
+            return run_engine(sut.engine, cell.prompts, params, sut.engine.auto_policy(prior=prior, task=cell.task), sut.roofline,
                               draft=draft, task=cell.task)
         finally:
             sut.engine.verify_layout = "auto"
-    gamma = sut.engine.auto_policy(prior=prior) if name == "auto" else int(name.split("=")[1])
+    gamma = sut.engine.auto_policy(prior=prior, task=cell.task) if name == "auto" else int(name.split("=")[1])
     mtp_only = "mtp" if "mtp" in sut.engine.draft_names else "none"   # "auto": the heads' policy alone
     return run_engine(sut.engine, cell.prompts, params, gamma, sut.roofline, draft=mtp_only if name == "auto" else "auto")
 
