@@ -53,7 +53,7 @@ def _model_line(fig: go.Figure, name: str, model: Any, ctx: float, top: int, q: 
     grid = sorted({1 + round(j * (top - 1) / 60) for j in range(61)} | {int(model.knee)})
     a, b, h, c = model.verify_coef
     m = model.multi_token_s if q > 1 else 0.0
-    r, s = getattr(model, "row_coef", (0.0, 0.0))
+    r, s = model.row_coef
     fig.add_trace(go.Scatter(
         name=name, x=grid, y=verify_line_ms(model, grid, q, ctx), mode="lines",
         line=dict(color=color, width=2, dash=dash),

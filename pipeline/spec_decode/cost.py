@@ -292,11 +292,10 @@ def _fit_verify(n, multi, ctx, y, weight, knee, rows):
     return float((((x @ coef) - y) ** 2 * weight).sum()), knee, coef
 
 
-def best_knee_fit(n, multi, ctx, y, weight, most: int = 8, rows=None):
+def best_knee_fit(n, multi, ctx, y, weight, rows, most: int = 8):
     """Grid search for the hinge over the distinct measured N: a coarse pass over `most`
     quantiles, then a fine pass between the best one's neighbours (2 x `most` fits at most).
-    `rows`: each record's rows, for the per-row terms (None: left out)."""
-    rows = torch.zeros_like(n) if rows is None else rows
+    `rows`: each record's rows, for the per-row terms (zeros: left out)."""
     values = sorted(set(n.tolist()))
     coarse = _thin(values, most)
     fits = [_fit_verify(n, multi, ctx, y, weight, k, rows) for k in coarse]
@@ -326,7 +325,7 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
     w = torch.tensor([w for _, w in records], **f64)
     qs = {s.query_len for s, _ in records}
     rows = torch.tensor([float(s.rows) if len(qs) > 1 else 0.0 for s, _ in records], **f64)
-    _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2, rows=rows)
+    _, knee, vcoef = best_knee_fit(n, multi, ctx, y, w / y.clamp(min=1e-6) ** 2, rows)
     drafted = [(s, wt) for s, wt in records if s.gamma > 0 and heads_draft_s(s) > 0]
     dcoef = torch.zeros(5, **f64)
     if drafted:

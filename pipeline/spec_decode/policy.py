@@ -348,7 +348,7 @@ def _remeasured(d: Decision, gamma: int, what: str, gap: float, local: LocalCorr
     """`gamma` run instead of `d`, marked measuring, while a re-measure of its price at this shape
     is under way (`started` by the policy, fewer than MIN_LOCAL steps since the bucket was
     revisited) or due: its steps here are older than MIN_LOCAL * gap / share policy steps (gap:
-    what it is predicted to lose per step: how far behind, and a speculation's prompt fills).
+    what it is predicted to lose per step: how far behind, and a speculation's waiting fills).
     None when its price stands."""
     age, visit = local.age(gamma, rows, ctx), local.visit_steps(gamma, rows, ctx)
     ongoing = started and visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
