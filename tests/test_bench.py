@@ -1,6 +1,7 @@
 """The benchmark job: the matrix runs every system on the same prompts and the report states
 ratios and targets from what was measured."""
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -118,6 +119,26 @@ def test_engine_speed_script_runs_the_matrix_on_random_prompts(tmp_path):
     for c in cells:
         assert set(c["systems"]) == {"transformers", "gamma=0", "gamma=2"}
     assert "| gamma=2 |" in proc.stdout
+
+
+def test_cost_fit_script_prices_every_profiled_forward(tmp_path):
+    """benchmarks/cost_fit.py: one table row per profiled (rows, context), every q in it, and
+    the relative error over all of them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    model = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "cost_fit.py"), "--model", model,
+                           "--rows", "4", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "SPECBATCH_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "q1 " in line]
+    assert len(rows) == 4                                   # rows 1 and 4, two contexts each
+    assert all("q6 " in line for line in rows)              # gamma_max 5: q up to 6
+    assert "relative error over 24 forwards" in proc.stdout
 
 
 def test_run_order_alternates_and_paired_ratios_are_per_repetition():
