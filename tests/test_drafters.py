@@ -6,7 +6,9 @@ import torch
 import pipeline.engine.run as engine_module
 from pipeline.engine import Engine, SamplingParams
 from pipeline.engine.drafters import TaskIndex, resolve_draft
-from pipeline.engine.drafters.ngram import RowIndex
+from pipeline.engine.drafters import DraftRequest
+from pipeline.engine.drafters.ngram import NgramSource, RowIndex
+from pipeline.engine.rows import Row
 from tests.tiny_models import hf_greedy, random_prompts, tiny_checkpoint
 
 MAX_NEW = 24
@@ -99,6 +101,17 @@ def test_row_index_matches_its_own_tokens_then_the_task():
     other.extend([], 3)
     assert other.match(task, 2) == ([9, 9], 2)           # not in the row: the task's outputs
     assert RowIndex([3, 4]).match(None, 2) == ([], 0)
+
+
+def test_ngram_drafts_stop_short_of_the_rows_token_budget():
+    """A row with r tokens left emits at most r: its proposal holds at most r - 1 drafts."""
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6]                   # "5 6" was followed by 7 8 9 10 5 6
+    made = lambda used: list(range(20, 18 + used)) + [5, 6] if used else []     # noqa: E731  ends "5 6" again
+    rows = [Row(i, list(prompt), budget, None, tokens=made(used)) for i, (budget, used) in
+            enumerate([(64, 0), (10, 7), (10, 9), (10, 10)])]
+    prop = NgramSource(None, "cpu").propose(DraftRequest(4, torch.tensor([8, 15, 17, 18]), 4, None, rows))
+    assert prop.host_len == [4, 2, 0, 0]
+    assert prop.drafts[0].tolist() == [7, 8, 9, 10] and prop.drafts[1].tolist() == [20, 21, -1, -1]
 
 
 def test_task_index_stays_within_its_bound_over_a_long_run():

@@ -69,8 +69,8 @@ def test_draft_lengths_worked_example():
     assert draft_lengths(p, base_s=10.0, token_s=0.01) == [2, 1]    # drafts nearly free
     assert draft_lengths(p, base_s=10.0, token_s=9.0) == [0, 0]     # compute-bound: none pay
     assert rows_p(cumulative([0.5, 0.5, 0.5]), 2) == [0.5, 0.25, 0.0]
-    assert padded_lengths([[0.9, 0.8], [0.2, 0.0]], base_s=10.0, token_s=1.0) == [2, 1]   # its docstring's example
-    assert padded_lengths([[0.9, 0.8], [0.2, 0.0]], base_s=10.0, token_s=9.0) == [0, 0]
+    assert padded_lengths([[0.9, 0.8], [0.2, 0.0]], [10.0, 12.0, 14.0]) == [2, 1]   # its docstring's example
+    assert padded_lengths([[0.9, 0.8], [0.2, 0.0]], [10.0, 28.0, 46.0]) == [0, 0]
 
 
 def test_ragged_counts_per_source():

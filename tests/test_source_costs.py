@@ -7,7 +7,8 @@ from pipeline.bench.step_costs import measure, table
 from pipeline.engine import Engine, SamplingParams
 from pipeline.engine.costs import CostTracker
 from pipeline.engine.profile import profile_costs
-from pipeline.spec_decode.cost import CostModel, fit_cost_model
+from pipeline.engine.drafting import DraftPlanner
+from pipeline.spec_decode.cost import MIN_LOCAL, CostModel, fit_cost_model
 from pipeline.spec_decode.policy import FixedGamma
 from pipeline.spec_decode.stats import StepRecord
 from tests.test_drafters import MAX_NEW, repetitive_prompts
@@ -39,6 +40,28 @@ def test_mixed_steps_are_fitted_by_tokens_and_by_source():
     for s in ragged:
         tracker.record(s, by_gamma=False)
     assert len(tracker.steps) == len(ragged) and not tracker.local.samples and not tracker.ratios
+
+
+def test_a_padded_verify_width_is_priced_as_measured_at_that_width():
+    """The smooth fit prices n-gram drafts' padded verifies until steps at that width measure
+    them: 48 rows with two likely drafts each verify 3 tokens a row while TRUTH prices it, and
+    none once such verifies measure 4x (every row's P sums to 1.0: 2x the tokens for 4.7x the
+    step)."""
+    uniform = [truth_step(g, r, g + 1, c, False) for r in (1, 4, 16, 64) for g in range(4) for c in (64, 256)]
+    tracker = CostTracker()
+    tracker.set_profile(uniform)
+    planner = DraftPlanner({}, True, 4, None, tracker.model, None, layout="padded")
+    p = [[0.6, 0.4]] * 48
+    assert planner._lengths(p, 48, 64.0) == [2] * 48
+    for _ in range(MIN_LOCAL):
+        tracker.record(truth_step(0, 48, 1, 64, False))
+        tracker.record(truth_step(0, 48, 2.5, 64, True), by_gamma=False)   # a packed verify: no width's price
+        slow = truth_step(0, 48, 3, 64, True)
+        slow.verify_s *= 4
+        tracker.record(slow, by_gamma=False)
+    assert {k[0] for k in tracker.verify_local.factors} == {1, 3}
+    assert tracker.model().measured_verify_s(48, 3, 64.0) == pytest.approx(4 * TRUTH.verify_s(48, 3, 64.0), rel=0.02)
+    assert planner._lengths(p, 48, 64.0) == [0] * 48
 
 
 @pytest.mark.parametrize("heads,draft,gamma", [(0, "ngram", "auto"), (1, "auto", FixedGamma(2))])

@@ -3,7 +3,8 @@ the cost model fitted from both, and when that knowledge has gone stale.
 
 Every step the engine runs is `record`ed: it joins the window the smooth model is refitted from
 and, where it is a gamma's shape (no n-gram rows), the per-shape local correction
-(pipeline.spec_decode.cost.LocalCorrection), which prices it at once.
+(pipeline.spec_decode.cost.LocalCorrection), which prices it at once; its verify, where every
+row computed the same tokens, prices that verify shape (VerifyCorrection).
 
 Stale means re-profile before the next shard, for one of two measured reasons:
 - drift: over the last `window` steps at shapes already measured, the step time is off what the
@@ -22,7 +23,7 @@ import statistics
 import time
 from collections import deque
 
-from pipeline.spec_decode.cost import CostModel, LocalCorrection, fit_cost_model, step_seconds
+from pipeline.spec_decode.cost import CostModel, LocalCorrection, VerifyCorrection, fit_cost_model, step_seconds
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -32,6 +33,7 @@ class CostTracker:
         self.profile: list[StepRecord] = []
         self.steps: deque[StepRecord] = deque(maxlen=keep)
         self.local = LocalCorrection()
+        self.verify_local = VerifyCorrection()
         self.refit_every, self.drift, self.util_jump = refit_every, drift, util_jump
         self.refit_share = refit_share   # refits may take at most this share of decoding time
         self.fit_steps = fit_steps       # fits use the most recent real steps (a fit's time grows with them)
@@ -56,6 +58,7 @@ class CostTracker:
         self.profile = list(records)
         self.steps.clear()
         self.local = LocalCorrection()
+        self.verify_local = VerifyCorrection()
         self.ratios.clear()
         self.baseline_util, self.stale_reason = None, None
         self.profiles_taken += 1
@@ -76,7 +79,8 @@ class CostTracker:
         due = self._new_steps >= self.refit_every and self._new_work_s * self.refit_share >= self._fit_s
         if self._model is None or due:
             t0 = time.perf_counter()
-            self._model = fit_cost_model(list(self.steps)[-self.fit_steps:], profile=self.profile, local=self.local)
+            self._model = fit_cost_model(list(self.steps)[-self.fit_steps:], profile=self.profile, local=self.local,
+                                         verify_local=self.verify_local)
             self._fit_s = time.perf_counter() - t0
             self.fits += 1
             self.fit_seconds += self._fit_s
@@ -89,11 +93,14 @@ class CostTracker:
         but do not make the auto policy pay for a refit). `by_gamma`: every row drafted the
         step's gamma with the heads, or none did; a step with n-gram rows is no gamma's shape,
         so it joins the fit window (verify priced by the tokens it computed, drafting by
-        source) but neither the per-gamma correction nor the drift check."""
+        source) but neither the per-gamma correction nor the drift check. Every step whose rows
+        all verified the same number of tokens prices that verify shape (VerifyCorrection)."""
         self.steps.append(step)
         if refine:
             self._new_steps += 1
             self._new_work_s += step.verify_s + step.draft_s
+        if self.verify_local.takes(step):
+            self.verify_local.add(step, self._model, tick=refine)
         if not by_gamma:
             return
         model = self._model

@@ -47,10 +47,21 @@ def empty_drafts(n: int, device, lookup_s: float = 0.0) -> StepDrafts:
 def per_step_costs(model, rows: int, ctx: float, width: int = 1):
     """(base_s, first_s, token_s) of a verify with drafts from the cost model: a plain step,
     the fixed extra of a multi-token verify, and the mean cost of one more verified token over
-    `width` more tokens per row (the secant: verify cost bends where the batch turns compute-bound)."""
+    `width` more tokens per row (the secant: verify cost bends where the batch turns compute-bound).
+    Verifies are priced as measured at their shape where they have been (VerifyCorrection)."""
     base = model.step_s(rows, 0, ctx)
-    wide, one = model.verify_s(rows, width + 1, ctx), model.verify_s(rows, 1, ctx)
+    wide, one = model.measured_verify_s(rows, width + 1, ctx), model.measured_verify_s(rows, 1, ctx)
     return base, model.multi_token_s, max(wide - one - model.multi_token_s, 0.0) / (rows * width)
+
+
+def width_costs(model, rows: int, ctx: float, width: int) -> list[float]:
+    """Step seconds of a padded verify at each width 0..`width`: a plain step plus what a
+    verify of w + 1 tokens per row costs over a 1-token one, each priced as measured at its
+    shape where it has been. Example: plain 40 ms, verifies of 1 / 2 / 3 tokens 42 / 55 / 80 ms
+    -> [40, 53, 78]."""
+    base = model.step_s(rows, 0, ctx)
+    one = model.measured_verify_s(rows, 1, ctx)
+    return [base] + [base + max(model.measured_verify_s(rows, w + 1, ctx) - one, 0.0) for w in range(1, width + 1)]
 
 
 class DraftPlanner:
@@ -168,10 +179,9 @@ class DraftPlanner:
         if model is None:
             return True, None
         g = len(p_ng[0])
-        base, first, token = per_step_costs(model, n, ctx, g)
+        _, _, token = per_step_costs(model, n, ctx, g)
         alone = self._lengths(p_ng, n, ctx)
-        w = max(alone)
-        gp_alone = (n + kept(p_ng, alone)) / (base + (first + n * w * token if w else 0.0))
+        gp_alone = (n + kept(p_ng, alone)) / width_costs(model, n, ctx, g)[max(alone)]
         rest = [[0.0] * g if u else r for r, u in zip(p_ng, use_mtp)]
         lens = self._lengths(rest, n, ctx)
         wider = max(max(lens) - gamma, 0)                    # n-gram rows drafting past the heads' depth
@@ -185,19 +195,19 @@ class DraftPlanner:
             return [leading(r) for r in p]
         g = len(p[0])
         base, first, token = per_step_costs(model, n, ctx, g)
-        if self.layout == "padded":
-            return padded_lengths(p, base, token, first, MIN_GAIN)
         if self.layout == "packed":
             return draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
-        padded = padded_lengths(p, base, token, first, MIN_GAIN)
+        costs = width_costs(model, n, ctx, g)
+        padded = padded_lengths(p, costs, MIN_GAIN)
+        if self.layout == "padded":
+            return padded
         if not packs(sum(r[0] > 0 for r in p) * g, n, g):
             return padded                  # too many rows have drafts for a packed verify
         ragged = draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
         width = max(ragged)                # auto: ragged where the verify will be packed and it predicts more
         if width and packs(sum(ragged), n, width):
             gp_r = (n + kept(p, ragged)) / (base + first + sum(ragged) * token * GATHER_COST)
-            wp = max(padded)
-            gp_p = (n + kept(p, padded)) / (base + (first + n * wp * token if wp else 0.0))
+            gp_p = (n + kept(p, padded)) / costs[max(padded)]
             if gp_r > gp_p:
                 return ragged
         return padded

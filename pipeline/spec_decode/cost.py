@@ -47,7 +47,8 @@ steps at a caller's fixed gamma price their bucket but do not age the others, so
 alternates fixed and auto calls does not re-measure more of the auto calls' steps than the
 policy's budget allows), and a bucket run again after REVISIT_STEPS steps elsewhere keeps only its newest
 MIN_LOCAL - 1 old steps, so MIN_LOCAL new steps set its price. Measurements behind this design:
-docs/decisions.md (2026-11-29).
+docs/decisions.md (2026-11-29). `VerifyCorrection` does the same for the verify alone, keyed
+by tokens per row instead of gamma: it prices a padded verify of per-row (n-gram) drafts.
 """
 from __future__ import annotations
 
@@ -104,18 +105,19 @@ class CostModel:
     lookup_row_s: float = 0.0                          # l: host-side drafting per row (n-gram lookup, choice)
     row_coef: tuple[float, float] = (0.0, 0.0)         # r, s: per row, per row x context, whatever q
     local: "LocalCorrection | None" = field(default=None, compare=False)   # measured / modelled per shape
+    verify_local: "VerifyCorrection | None" = field(default=None, compare=False)   # the same, verify alone
 
     def to_dict(self) -> dict:
-        """The smooth model as plain JSON values (tuples as lists). The local correction is
-        left out: it is the engine's measured state, not part of the model's formula."""
+        """The smooth model as plain JSON values (tuples as lists). The local corrections are
+        left out: they are the engine's measured state, not part of the model's formula."""
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in fields(self) if f.name != "local"}
+                for f in fields(self) if f.name not in _MEASURED}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         """The inverse of `to_dict` (lists back to tuples); keys it lacks keep their defaults."""
         return cls(**{f.name: tuple(d[f.name]) if isinstance(d[f.name], list) else d[f.name]
-                      for f in fields(cls) if f.name != "local" and f.name in d})
+                      for f in fields(cls) if f.name not in _MEASURED and f.name in d})
 
     def verify_s(self, rows: int, q: int, ctx: float) -> float:
         a, b, h, c = self.verify_coef
@@ -123,6 +125,11 @@ class CostModel:
         n = rows * q
         return (a + self.multi_token_s * (q > 1) + b * n + h * max(0.0, n - self.knee) + c * n * ctx
                 + (r + s * ctx) * rows)
+
+    def measured_verify_s(self, rows: int, q: int, ctx: float) -> float:
+        """`verify_s` with the correction measured at this verify shape (VerifyCorrection), if any."""
+        factor = self.verify_local.factor(q, rows, ctx) if self.verify_local is not None else 1.0
+        return self.verify_s(rows, q, ctx) * factor
 
     def draft_s(self, rows: int, gamma: int, ctx: float = 0.0) -> float:
         if gamma <= 0:
@@ -202,6 +209,19 @@ class LocalCorrection:
     def key(gamma: int, rows: int, ctx: float) -> tuple:
         return (gamma, rows_bucket(rows), context_bucket(ctx))
 
+    def step_key(self, step) -> tuple:
+        return self.key(step.gamma, step.rows, step.context_len)
+
+    @staticmethod
+    def seconds(step) -> float:
+        """What a step measured of the priced quantity: here the whole step."""
+        return step_seconds(step)
+
+    @staticmethod
+    def modelled(model: CostModel, k: int, rows: int, ctx: float) -> float:
+        """The smooth model's price of the same quantity at the bucket's k (here gamma)."""
+        return model.modelled_step_s(rows, k, ctx)
+
     def count(self, gamma: int, rows: int, ctx: float) -> int:
         """Steps kept at this bucket."""
         return len(self.samples.get(self.key(gamma, rows, ctx), ()))
@@ -227,8 +247,8 @@ class LocalCorrection:
         """Record a step; with `model` (the smooth model this correction belongs to) price it now.
         `key`: the step's `key(...)`, where the caller has it already. `tick`: the policy chose
         it, so it ages every other bucket (module docstring)."""
-        key = key or self.key(step.gamma, step.rows, step.context_len)
-        sample = (step.rows, step.context_len, step_seconds(step))
+        key = key or self.step_key(step)
+        sample = (step.rows, step.context_len, self.seconds(step))
         kept = self.samples.setdefault(key, deque(maxlen=self.keep))
         if key in self.last and self.clock - self.last[key] > REVISIT_STEPS:
             for old in (kept, self.ratios.get(key)):     # revisited: the old steps give way to new ones
@@ -251,7 +271,7 @@ class LocalCorrection:
     def _price(self, key: tuple, model: CostModel, samples) -> None:
         ratios = self.ratios.setdefault(key, deque(maxlen=self.keep))
         for rows, ctx, seconds in samples:
-            modelled = model.modelled_step_s(rows, key[0], ctx)
+            modelled = self.modelled(model, key[0], rows, ctx)
             if modelled > 0:
                 ratios.append(seconds / modelled)
         if len(ratios) >= MIN_LOCAL:
@@ -277,6 +297,35 @@ class LocalCorrection:
             self._source[key] = None if g is None else (g, rb, c)
         source = self._source[key]
         return self.factors[source] if source is not None else 1.0
+
+
+class VerifyCorrection(LocalCorrection):
+    """Measured / modelled verify time per (tokens per row q, rows bucket, context bucket), from
+    every step whose verify computed the same q for every row (plain, the heads' gamma, a padded
+    verify of n-gram drafts), with LocalCorrection's rules (MIN_LOCAL steps; an unmeasured q
+    borrows the nearest measured q at the same rows). It prices the width of a padded verify of
+    per-row drafts, which is no gamma's step: the smooth fit priced a 3-token verify at 48 rows
+    23% under its measured cost, and the n-gram drafts it let through lost 8% of throughput
+    (docs/decisions.md, 2026-12-03)."""
+
+    def step_key(self, step) -> tuple:
+        return self.key(int(step.query_len), step.rows, step.context_len)
+
+    @staticmethod
+    def seconds(step) -> float:
+        return step.verify_s
+
+    @staticmethod
+    def modelled(model: CostModel, k: int, rows: int, ctx: float) -> float:
+        return model.verify_s(rows, k, ctx)
+
+    @staticmethod
+    def takes(step) -> bool:
+        """A verify of q tokens on every row (a packed or split step's mean q is no one shape)."""
+        return step.verify_s > 0 and step.query_len == int(step.query_len)
+
+
+_MEASURED = ("local", "verify_local")    # CostModel fields that hold measured state, not the formula
 
 
 def _thin(values: list[float], most: int) -> list[float]:
@@ -306,13 +355,13 @@ def best_knee_fit(n, multi, ctx, y, weight, rows, most: int = 8):
     return min(fits, key=lambda f: f[0])
 
 
-def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
-                   local: LocalCorrection | None = None) -> CostModel | None:
+def fit_cost_model(steps, profile=(), profile_weight: float = 0.25, local: LocalCorrection | None = None,
+                   verify_local: VerifyCorrection | None = None) -> CostModel | None:
     """Fit from StepRecord-like objects (rows, query_len, context_len, verify_s, draft_s, gamma;
     lookup_s where they have it):
     `steps` the engine ran, `profile` timed bare forwards (weighted `profile_weight`).
-    `local`: the steps measured per shape (the engine keeps them across fits; rebased onto the
-    new model here); default: a correction built from `steps`.
+    `local`, `verify_local`: the steps measured per shape (the engine keeps them across fits;
+    rebased onto the new model here); default: corrections built from `steps`.
     Returns None with fewer than 3 distinct verify shapes (nothing to fit yet)."""
     records = [(s, 1.0) for s in steps if s.verify_s > 0] + [(s, profile_weight) for s in profile if s.verify_s > 0]
     if len({(s.rows, s.query_len) for s, _ in records}) < 3:
@@ -348,8 +397,14 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25,
         local = LocalCorrection()
         for s in real:
             local.add(s)
+    if verify_local is None:
+        verify_local = VerifyCorrection()
+        for s in real:
+            if verify_local.takes(s):
+                verify_local.add(s)
     local.rebase(model)
-    return replace(model, local=local)
+    verify_local.rebase(model)
+    return replace(model, local=local, verify_local=verify_local)
 
 
 def _spans(values, ratio: float = CTX_SPAN) -> bool:

@@ -68,7 +68,8 @@ def busy_model(model: CostModel, available: float) -> CostModel:
     d, e, f, g = model.draft_coef
     r, rs = model.row_coef
     return replace(model, verify_coef=(a, b / s, h / s, c / s), knee=model.knee * s, row_coef=(r / s, rs / s),
-                   draft_coef=(d, e / s, f, g / s), draft_ctx_s=model.draft_ctx_s / s, local=None)
+                   draft_coef=(d, e / s, f, g / s), draft_ctx_s=model.draft_ctx_s / s, local=None,
+                   verify_local=None)
 
 
 def available_share(utilization: float | None, baseline: float | None, device: str) -> float:

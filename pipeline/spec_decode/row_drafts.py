@@ -11,7 +11,8 @@ the step keeps the D drafts of largest P (a row's P falls with depth, so that is
 each row) for the D that maximises goodput (rows + sum of kept P) / step_s(D), or none where
 that is within `min_gain` of plain decoding.
 
-`padded_lengths` prices a padded verify instead (its cost is the widest row's, for every row).
+`padded_lengths` prices a padded verify instead (its cost is the widest row's, for every row),
+from the step's measured cost at each width.
 
 Example: 2 rows, P = [[0.9, 0.8], [0.2, 0.0]], base_s 10, first_s 0, token_s 1: keeping
 0.9, 0.8 gives (2 + 1.7) / 12 = 0.308 tokens/s-unit against 2 / 10 = 0.2, adding 0.2 gives
@@ -83,17 +84,18 @@ def draft_lengths(p: list[list[float]], base_s: float, token_s: float, first_s: 
     return lens
 
 
-def padded_lengths(p: list[list[float]], base_s: float, token_s: float, first_s: float = 0.0, min_gain: float = 0.0) -> list[int]:
+def padded_lengths(p: list[list[float]], costs: list[float], min_gain: float = 0.0) -> list[int]:
     """Drafts per row when every row verifies W + 1 slots (a padded verify prices the width,
-    not the drafts): W maximises (rows + sum_{j<W} P_ij) / (base_s + first_s + rows * W * token_s),
-    and each row drafts what it has below W. Example: P [[0.9, 0.8], [0.2, 0]], base 10, token 1:
-    W=1: 3.1 / 12 = 0.26, W=2: 3.9 / 14 = 0.28, plain 2 / 10 -> W=2, lengths [2, 1]."""
+    not the drafts): `costs[W]` the step's seconds at width W (0: plain), W maximises
+    (rows + sum_{j<W} P_ij) / costs[W], and each row drafts what it has below W.
+    Example: P [[0.9, 0.8], [0.2, 0]], costs [10, 12, 14]: W=1: 3.1 / 12 = 0.26, W=2: 3.9 / 14 =
+    0.28, plain 2 / 10 -> W=2, lengths [2, 1]."""
     n = len(p)
     if n == 0 or not p[0]:
         return [0] * n
-    best, best_gp = 0, (1 + min_gain) * n / base_s
+    best, best_gp = 0, (1 + min_gain) * n / costs[0]
     for w, gain in enumerate(accumulate(sum(col) for col in zip(*p)), start=1):
-        gp = (n + gain) / (base_s + first_s + n * w * token_s)
+        gp = (n + gain) / costs[w]
         if gp > best_gp:
             best, best_gp = w, gp
     return [min(leading(row), best) for row in p]

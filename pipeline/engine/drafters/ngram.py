@@ -1,7 +1,8 @@
 """N-gram (suffix) drafting: the tokens that followed the row's newest n-gram the last time it
 occurred, in the row's own prompt and output, else in the task's recent outputs (TaskIndex).
 Free of model cost; each proposal is deterministic (q one-hot), and its length comes from the
-match (what followed it, up to max_len). Host cost is a few dict operations per row per step
+match (what followed it, up to max_len, and short of the row's token budget: a row with r
+tokens left emits at most r, so drafts past r - 1 are verify work for nothing). Host cost is a few dict operations per row per step
 (each row's index grows only by the tokens it emitted since it last drafted); the source times
 it (Proposal.seconds), which the cost model prices per row.
 """
@@ -79,7 +80,10 @@ class NgramSource:
             if idx is None:
                 idx = self.rows[row.index] = RowIndex(row.prompt_ids)
             idx.extend(row.tokens, len(row.prompt_ids))
-            got, m = idx.match(self.task, k)
+            left = row.max_new - len(row.tokens) - 1     # drafts past its budget would never be emitted
+            if left <= 0:
+                continue
+            got, m = idx.match(self.task, min(k, left))
             if got:
                 drafts[i][:len(got)] = got
                 lens[i], match[i] = len(got), m
@@ -92,7 +96,7 @@ class NgramSource:
         per call: a step's work, the new token indexed and then the match."""
         rng = random.Random(0)
         width = max(1, min(ctx, PROBE_TOKENS))
-        fake = [Row(-1 - i, [rng.randrange(PROBE_VOCAB) for _ in range(width)], 0, None) for i in range(rows)]
+        fake = [Row(-1 - i, [rng.randrange(PROBE_VOCAB) for _ in range(width)], 1 << 30, None) for i in range(rows)]
         req = DraftRequest(rows, torch.full((rows,), ctx, device=self.device), depth, None, fake)
         self.propose(req)
 
