@@ -114,6 +114,19 @@ def test_engine_measures_each_steps_overhead_and_the_model_carries_it(tmp_path):
             [model.step_s(st.rows, g, st.context_len) for g in range(3)])
 
 
+def test_a_step_is_priced_at_the_context_its_longest_row_attends(tmp_path):
+    """A verify attends every row over the longest row's cache (pipeline.model.cache.Batch:
+    kv_len is the largest position), so a step's cost sample and its policy price that length,
+    not the rows' mean: one 40-token row among 3-token ones costs what 40-token rows do."""
+    from pipeline.engine import SamplingParams
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4, gamma_max=2)
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13], list(range(20, 60))]
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True), gamma=0)
+    first = engine.last_stats.steps[0]
+    assert first.rows == 4 and first.context_len == 40
+
+
 def test_profile_times_the_engines_own_drafting(tmp_path, monkeypatch):
     """The profile is all the model knows of drafting until the engine speculates: it must time
     the Drafter the engine runs (every head's fill, then each depth), not a sketch of it."""

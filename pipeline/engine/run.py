@@ -149,7 +149,7 @@ class GenerateRun:
             return
         t_choose = time.perf_counter()
         lengths = s.lengths[:n]                     # unchanged until s.advance below
-        ctx = float(lengths.float().mean())
+        ctx = float(lengths.max())                  # every row attends to the longest row's cache
         per_token_left, fills = self._waiting_fills()
         gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
                                                    rows_apart=self._rows_apart(n), waiting_fill_s=per_token_left,

@@ -32,7 +32,7 @@ class ActorCosts:
     baseline: float | None = None        # when its cost model was measured (its first report)
     device: str = "cpu"
     batch: int = 32                      # engine.max_batch_size
-    context_len: float = 128.0           # mean context of its recent steps
+    context_len: float = 128.0           # context of its recent steps (StepRecord.context_len)
 
 
 @dataclass

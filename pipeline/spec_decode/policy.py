@@ -84,7 +84,7 @@ ROW_PRIOR = 4.0         # weight (row-steps) of the task's a_1 in a row's own fi
 @dataclass(frozen=True)
 class StepContext:
     rows: int               # active rows in the coming verify step
-    context_len: float      # mean cached tokens per row
+    context_len: float      # cached tokens the step attends (the longest row's: StepRecord.context_len)
     stats: SpecStats        # what this generate call has measured so far
     rows_apart: tuple[tuple[int, int, int], ...] = ()   # (tokens left, steps drafted, first-draft hits)
     waiting_fill_s: float = 0.0     # the heads' waiting fills (prompts, backlogs), s per token their rows have left

@@ -18,7 +18,7 @@ class StepRecord:
     gamma: int
     rows: int               # active rows verified together
     query_len: float        # tokens per row the verify forward computed: gamma + 1, or their mean (ragged rows)
-    context_len: float      # mean cached tokens per row before the step
+    context_len: float      # cached tokens the step attends: the longest row's, before the step
     verify_s: float
     draft_s: float
     emitted: int            # tokens emitted over all rows (accepted + 1 per row)
