@@ -141,6 +141,25 @@ def test_cost_fit_script_prices_every_profiled_forward(tmp_path):
     assert "relative error over 24 forwards" in proc.stdout
 
 
+def test_mixed_context_script_times_each_layout_of_contexts(tmp_path):
+    """benchmarks/mixed_context.py: one row per (tokens, long context), each with the three
+    layouts timed and the mean context of the mixed one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    model = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "mixed_context.py"), "--model", model,
+                           "--rows", "4", "--short", "8", "--long", "16", "32", "--tokens", "1", "2", "--reps", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [(r[0].strip(), r[1].strip()) for r in rows[1:]] == [("1", "16"), ("1", "32"), ("2", "16"), ("2", "32")]
+    assert all(float(x) > 0 for r in rows[1:] for x in r[2:5])
+    assert [r[5].strip() for r in rows[1:]] == ["10", "14", "10", "14"]       # (3 x 8 + long) / 4
+
+
 def test_run_order_alternates_and_paired_ratios_are_per_repetition():
     from pipeline.bench.repeat import paired, run_order, show_paired
 
