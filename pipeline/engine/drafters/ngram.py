@@ -2,9 +2,9 @@
 occurred, in the row's own prompt and output, else in the task's recent outputs (TaskIndex).
 Free of model cost; each proposal is deterministic (q one-hot), and its length comes from the
 match (what followed it, up to max_len, and short of the row's token budget: a row with r
-tokens left emits at most r, so drafts past r - 1 are verify work for nothing). Host cost is a few dict operations per row per step
-(each row's index grows only by the tokens it emitted since it last drafted); the source times
-it (Proposal.seconds), which the cost model prices per row.
+tokens left emits at most r, so drafts past r - 1 are verify work for nothing). Host cost is a
+few dict operations per row per step (each row's index grows only by the tokens it emitted since
+it last drafted); the source times it (Proposal.seconds), which the cost model prices per row.
 """
 from __future__ import annotations
 
