@@ -44,24 +44,22 @@ def empty_drafts(n: int, device, lookup_s: float = 0.0) -> StepDrafts:
     return StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=device), None, None, None, 0, None, None, lookup_s)
 
 
-def per_step_costs(model, rows: int, ctx: float, width: int = 1):
-    """(base_s, first_s, token_s) of a verify with drafts from the cost model: a plain step,
-    the fixed extra of a multi-token verify, and the mean cost of one more verified token over
-    `width` more tokens per row (the secant: verify cost bends where the batch turns compute-bound).
-    Verifies are priced as measured at their shape where they have been (VerifyCorrection)."""
-    base = model.step_s(rows, 0, ctx)
-    wide, one = model.measured_verify_s(rows, width + 1, ctx), model.measured_verify_s(rows, 1, ctx)
-    return base, model.multi_token_s, max(wide - one - model.multi_token_s, 0.0) / (rows * width)
-
-
 def width_costs(model, rows: int, ctx: float, width: int) -> list[float]:
     """Step seconds of a padded verify at each width 0..`width`: a plain step plus what a
     verify of w + 1 tokens per row costs over a 1-token one, each priced as measured at its
-    shape where it has been. Example: plain 40 ms, verifies of 1 / 2 / 3 tokens 42 / 55 / 80 ms
-    -> [40, 53, 78]."""
+    shape where it has been (VerifyCorrection). Example: plain 40 ms, verifies of 1 / 2 / 3
+    tokens 42 / 55 / 80 ms -> [40, 53, 78]."""
     base = model.step_s(rows, 0, ctx)
     one = model.measured_verify_s(rows, 1, ctx)
     return [base] + [base + max(model.measured_verify_s(rows, w + 1, ctx) - one, 0.0) for w in range(1, width + 1)]
+
+
+def token_cost(costs: list[float], first_s: float, rows: int) -> float:
+    """From `width_costs`: the mean cost of one more verified token over the widest width, less
+    the fixed extra `first_s` of a multi-token verify (the secant: verify cost bends where the
+    batch turns compute-bound). Example: [40, 53, 78] ms, first 1 ms, 4 rows: (38 - 1) / 8."""
+    width = len(costs) - 1
+    return max(costs[width] - costs[0] - first_s, 0.0) / (rows * width)
 
 
 class DraftPlanner:
@@ -179,25 +177,29 @@ class DraftPlanner:
         if model is None:
             return True, None
         g = len(p_ng[0])
-        _, _, token = per_step_costs(model, n, ctx, g)
-        alone = self._lengths(p_ng, n, ctx)
-        gp_alone = (n + kept(p_ng, alone)) / width_costs(model, n, ctx, g)[max(alone)]
+        costs = width_costs(model, n, ctx, g)
+        token = token_cost(costs, model.multi_token_s, n)
+        alone = self._lengths(p_ng, n, ctx, costs)
+        gp_alone = (n + kept(p_ng, alone)) / costs[max(alone)]
         rest = [[0.0] * g if u else r for r, u in zip(p_ng, use_mtp)]
-        lens = self._lengths(rest, n, ctx)
+        lens = self._lengths(rest, n, ctx, costs)
         wider = max(max(lens) - gamma, 0)                    # n-gram rows drafting past the heads' depth
         gp_heads = ((n + sum(use_mtp) * p_mtp + kept(rest, lens))
                     / (model.step_s(n, gamma, ctx) + n * wider * token))
         return (True, lens) if gp_heads > gp_alone else (False, alone)
 
-    def _lengths(self, p: list[list[float]], n: int, ctx: float) -> list[int]:
+    def _lengths(self, p: list[list[float]], n: int, ctx: float, costs: list[float] | None = None) -> list[int]:
+        """Drafts per row for P [n][G] by the verify layout; `costs`: `width_costs` at this
+        step's shape and width G, where the caller has them already."""
         model = self.cost_model()
         if model is None:
             return [leading(r) for r in p]
         g = len(p[0])
-        base, first, token = per_step_costs(model, n, ctx, g)
+        costs = costs or width_costs(model, n, ctx, g)
+        base, first = costs[0], model.multi_token_s
+        token = token_cost(costs, first, n)
         if self.layout == "packed":
             return draft_lengths(p, base, token * GATHER_COST, first, MIN_GAIN)
-        costs = width_costs(model, n, ctx, g)
         padded = padded_lengths(p, costs, MIN_GAIN)
         if self.layout == "padded":
             return padded
