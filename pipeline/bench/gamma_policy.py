@@ -82,7 +82,7 @@ def warm_up(engine: Engine, spec: GammaPolicySpec, task: str, prompts: list[str]
     prior = SpecStats()
     for _ in range(spec.max_warmups):
         warm = engine.auto_policy(prior=prior, task=task)
-        engine.generate(prompts, params, gamma=warm, draft="mtp")
+        engine.generate(prompts, params, gamma=warm, draft="mtp", task=task)
         prior = prior.merge(engine.last_stats.counts())
         if prior.reached and prior.reached[0] >= warm.calibration_rows:
             break
@@ -105,7 +105,7 @@ def time_call(engine: Engine, cell: Cell, system, params: SamplingParams) -> Non
     before = (costs.profiles_taken, costs.fits, costs.fit_seconds)
     gamma = engine.auto_policy(prior=cell.prior, task=cell.task) if system == "auto" else 0 if system == CONTROL else system
     t0 = time.perf_counter()
-    outs = engine.generate(cell.prompts, params, gamma=gamma, draft="mtp")
+    outs = engine.generate(cell.prompts, params, gamma=gamma, draft="mtp", task=cell.task)
     dt = time.perf_counter() - t0
     steps = engine.last_stats.steps
     cell.times.setdefault(system, []).append(sum(len(o.token_ids) for o in outs) / dt)

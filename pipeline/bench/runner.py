@@ -143,7 +143,7 @@ def warm_up(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
         sut.engine.max_batch_size = cell.batch
         warm = cell.prompts if cell.batch >= 8 else cell_prompts(spec, sut.engine, cell.task, cell.prompt_length, 8)
         sut.engine.generate(warm, _params(spec, cell), gamma=sut.engine.auto_policy(task=cell.task),
-                            draft="mtp" if "mtp" in sut.engine.draft_names else "none")
+                            draft="mtp" if "mtp" in sut.engine.draft_names else "none", task=cell.task)
         priors[cell.key()] = sut.engine.last_stats.counts()
         if spec.drafts or spec.layouts:        # the n-gram source's acceptance by match length, likewise
             _fresh_index(sut, cell)
@@ -173,7 +173,8 @@ def measure(spec: BenchSpec, sut: Systems, cell: Cell, name: str, prior) -> Meas
             sut.engine.verify_layout = "auto"
     gamma = sut.engine.auto_policy(prior=prior, task=cell.task) if name == "auto" else int(name.split("=")[1])
     mtp_only = "mtp" if "mtp" in sut.engine.draft_names else "none"   # "auto": the heads' policy alone
-    return run_engine(sut.engine, cell.prompts, params, gamma, sut.roofline, draft=mtp_only if name == "auto" else "auto")
+    return run_engine(sut.engine, cell.prompts, params, gamma, sut.roofline, draft=mtp_only if name == "auto" else "auto",
+                      task=cell.task)
 
 
 def _fresh_index(sut: Systems, cell: Cell) -> None:
