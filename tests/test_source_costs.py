@@ -1,6 +1,8 @@
 """Each draft source reports its own cost, and the cost model learns from every step: n-gram and
 mixed steps are fitted (verify by the tokens computed, drafting by source), and the profile and
 the step-cost bench time a checkpoint's sources through the drafter protocol."""
+from dataclasses import replace
+
 import pytest
 
 from pipeline.bench.step_costs import measure, table
@@ -99,3 +101,80 @@ def test_profile_and_bench_time_the_sources_of_a_checkpoint_without_heads(tmp_pa
     costs = measure(engine, rows=2, ctx=16, q_max=3, reps=1, draft_gammas=(1, 2))
     assert costs.draft_s == {} and costs.lookup_row_s["ngram"] > 0 and set(costs.verify_s) == {1, 2, 3}
     assert "lookup us/row" in table([costs])
+
+
+def heads_step(gamma: int, rows: int, ctx: float, fill: int, truth: CostModel = TRUTH) -> StepRecord:
+    """A heads' step priced by `truth`, its fill over `fill` tokens (the last step's rows x width)."""
+    return StepRecord(gamma, rows, gamma + 1, ctx, truth.verify_s(rows, gamma + 1, ctx),
+                      truth.draft_s(rows, gamma, ctx, fill), 0, fill_tokens=fill)
+
+
+def test_the_heads_fill_is_fitted_by_the_tokens_it_ran():
+    """A heads' step fills the last step's verify, whatever its own gamma: 0 tokens after a plain
+    step, rows x 9 after 8-wide n-gram drafts (a mixed call runs the heads shallow beside them).
+    Fitted as rows x (gamma + 1), such steps made the fill's cost look like a depth's; fitted by
+    the recorded fill, as the truth. Here a fill token costs 50 us and a depth 0.5 ms + 50 us a row."""
+    truth = replace(TRUTH, draft_coef=(1e-3, 5e-5, 5e-4, 5e-5))
+    steps = [heads_step(g, r, c, r * (g + 1), truth) for r in (1, 4, 16, 48) for g in (1, 2, 3, 4) for c in (64, 256)]
+    steps += [heads_step(g, r, c, f, truth) for r in (16, 48) for g in (1, 2) for c in (64, 256) for f in (0, r * 9, r * 9)]
+    model = fit_cost_model(steps)
+    for g in range(1, 6):
+        assert model.draft_s(48, g, 64) == pytest.approx(truth.draft_s(48, g, 64), rel=0.02)
+    unrecorded = [StepRecord(s.gamma, s.rows, s.query_len, s.context_len, s.verify_s, s.draft_s, 0) for s in steps]
+    blind = fit_cost_model(unrecorded)                   # what the fit made of the same steps before
+    assert max(abs(blind.draft_s(48, g, 64) / truth.draft_s(48, g, 64) - 1) for g in range(1, 6)) > 0.2
+
+
+def test_a_step_after_a_wider_one_prices_its_own_bucket():
+    """The per-shape correction compares a step with the model at its gamma plus the fill it ran
+    beyond that gamma's: gamma-1 steps that filled an 8-wide n-gram step's tokens correct their
+    bucket as gamma-1 steps at their own fill do, not as dear gamma-1 steps."""
+    truth = replace(TRUTH, draft_coef=(1e-3, 5e-5, 5e-4, 5e-5))
+    uniform = [heads_step(g, r, c, r * (g + 1), truth) for r in (1, 4, 16, 48) for g in range(4) for c in (64, 256)]
+
+    def factor(step: StepRecord) -> float:
+        tracker = CostTracker()
+        tracker.set_profile(uniform)
+        tracker.model()
+        for _ in range(MIN_LOCAL):
+            tracker.record(step)
+        return tracker.local.factor(1, 48, 64)
+
+    own, wide = heads_step(1, 48, 64, 48 * 2, truth), heads_step(1, 48, 64, 48 * 9, truth)
+    assert factor(wide) == pytest.approx(factor(own), rel=0.02)
+    assert factor(replace(wide, fill_tokens=-1)) > 1.2 * factor(own)      # read as its own gamma's fill
+
+
+def test_the_engine_records_the_tokens_the_heads_filled(tmp_path, monkeypatch):
+    """Each heads' step records its fill: the previous step's rows x the most tokens any of them
+    kept (1 after a plain step); 0 on a row's first drafted step (its prompt's fill is prefill
+    work). The fill runs no wider than the most any row kept: the rest is masked."""
+    from pipeline.engine.drafter import Drafter
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4, gamma_max=3)
+    widths, original = [], Drafter.add_pending
+
+    def add_pending(self, fill):
+        widths.append((fill.next_ids.shape[1], int(fill.count.max())))
+        return original(self, fill)
+
+    monkeypatch.setattr(Drafter, "add_pending", add_pending)
+
+    class Schedule(FixedGamma):
+        def __init__(self, gammas):
+            super().__init__(max(gammas))
+            self.gammas = iter(gammas)
+
+        def choose(self, ctx):
+            return next(self.gammas, 1)
+
+    engine.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13, 14]], SamplingParams(max_new_tokens=30, ignore_eos=True),
+                    gamma=Schedule([2, 3, 0, 1, 1]), draft="mtp")
+    s = engine.last_stats.steps
+    assert [st.gamma for st in s[:5]] == [2, 3, 0, 1, 1]
+    assert all(w == kept for w, kept in widths)
+    assert s[0].fill_tokens == 0                         # the prompts' fill is prefill work
+    assert s[1].fill_tokens == s[0].rows * widths[0][0]
+    assert s[2].fill_tokens == -1                        # no heads
+    assert s[3].fill_tokens == s[2].rows                 # a plain step's one token a row
+    assert s[4].fill_tokens == s[3].rows * widths[3][0]

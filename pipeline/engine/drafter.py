@@ -188,6 +188,7 @@ class Drafter:
         self.full_vocab_picks = False  # coupled sampling: a head's draft vocabulary is picked over as -inf columns
         self.prompt_fill_s = 0.0       # seconds of prompt and backlog fills run by `propose` since the last take ...
         self.prompt_fill_tokens = 0    # ... and the tokens they filled
+        self.step_fill_tokens = 0      # tokens the last `propose` ran over the previous step's verify (drafting)
 
     # ---- slot management -------------------------------------------------------------------
     def reset_rows(self, rows: torch.Tensor) -> None:
@@ -254,9 +255,11 @@ class Drafter:
             if (b := self.backlog.take()) is not None:
                 first_out[b.rows] = self._fill(b)
             self.prompt_fill_s += self._clock() - t0
+        self.step_fill_tokens = 0
         for p in self.pending:
             if p.rows.numel():
                 first_out[p.rows] = self._fill(p)
+                self.step_fill_tokens += p.next_ids.numel()
         self.pending = []
         self.held.update(range(n))                 # every drafting row's entries are filled now
         k = len(self.heads)

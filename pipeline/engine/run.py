@@ -195,8 +195,10 @@ class GenerateRun:
             emit_ragged(s.rows[:n], self.stats, plan, acc_list, emitted_list, self._emit)
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
+        heads_fill = self.drafter.step_fill_tokens if plan.mtp_gamma and self.drafter is not None else -1
         step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
-                          t2 - t1, t1 - t0 - fill_s, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s)
+                          t2 - t1, t1 - t0 - fill_s, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s,
+                          fill_tokens=heads_fill)
         self.stats.observe_step(step)
         # the cost model's sample: the heads' depth as they ran (the stats keep the policy's gamma)
         sample = step if step.gamma == plan.mtp_gamma else replace(step, gamma=plan.mtp_gamma)

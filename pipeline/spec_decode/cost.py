@@ -15,11 +15,16 @@ and a 4-token one right, so speculation at large batch looked a third dearer tha
 (else rows and N are one column).
 
 draft_s(rows, gamma, ctx): the heads' drafting (a step's draft time less its lookups, below):
-every head's fill over the tokens accepted last step (about rows * (gamma + 1)), attending to
-the context like the target, plus gamma - 1 one-token steps:
+every head's fill over the last step's verify (F tokens: its rows x its width, which a step
+at a steady gamma makes rows * (gamma + 1)), attending to the context like the target, plus
+gamma - 1 one-token steps:
 
-    draft_s = [gamma > 0] * (d + e * rows * (gamma + 1) + k * rows * (gamma + 1) * ctx)
-              + max(gamma - 1, 0) * (f + g * rows)
+    draft_s = [gamma > 0] * (d + e * F + k * F * ctx) + max(gamma - 1, 0) * (f + g * rows)
+
+The fit reads F as each step recorded it (StepRecord.fill_tokens): after a plain step it is
+rows, after n-gram drafts 8 wide it is rows * 9. Priced as rows * (gamma + 1) for the fit, such steps
+made the fill's cost look like a depth's: after the draft-sources cells one fit priced a heads'
+depth at 48 rows at 10.8 ms against 2.9 measured (docs/decisions.md, stop 37).
 
 lookup_s(rows) = l * rows: host-side drafting (the n-gram lookup, which the source times itself,
 and the per-row choice it needs: StepRecord.lookup_s, part of draft_s), the median per row of
@@ -131,11 +136,17 @@ class CostModel:
         factor = self.verify_local.factor(q, rows, ctx) if self.verify_local is not None else 1.0
         return self.verify_s(rows, q, ctx) * factor
 
-    def draft_s(self, rows: int, gamma: int, ctx: float = 0.0) -> float:
+    def draft_s(self, rows: int, gamma: int, ctx: float = 0.0, fill: float | None = None) -> float:
+        """The heads' drafting; `fill`: the tokens their fill runs (default rows * (gamma + 1))."""
         if gamma <= 0:
             return 0.0
         d, e, f, g = self.draft_coef
-        return d + (e + self.draft_ctx_s * ctx) * rows * (gamma + 1) + (gamma - 1) * (f + g * rows)
+        fill = rows * (gamma + 1) if fill is None else fill
+        return d + (e + self.draft_ctx_s * ctx) * fill + (gamma - 1) * (f + g * rows)
+
+    def fill_s(self, tokens: float, ctx: float) -> float:
+        """The heads' fill of `tokens` more (or fewer) tokens than a step's own: draft_s's F terms."""
+        return (self.draft_coef[1] + self.draft_ctx_s * ctx) * tokens
 
     def lookup_s(self, rows: int) -> float:
         """Host-side drafting for `rows` rows (not in compute_s: it is paid whatever the gamma)."""
@@ -181,8 +192,19 @@ def step_seconds(step) -> float:
     return step.verify_s + step.draft_s + getattr(step, "overhead_s", 0.0)
 
 
+def heads_fill(step) -> float:
+    """The tokens a StepRecord's heads' fill ran (rows * (gamma + 1) where it did not record them)."""
+    fill = getattr(step, "fill_tokens", -1)
+    return float(step.rows * (step.gamma + 1) if fill < 0 else fill)
+
+
+def extra_fill(step) -> float:
+    """The tokens a step's heads' fill ran beyond its own gamma's (0 for a plain step)."""
+    return heads_fill(step) - step.rows * (step.gamma + 1) if step.gamma > 0 else 0.0
+
+
 def heads_draft_s(step) -> float:
-    """A StepRecord's drafting less its host-side lookups: what draft_s(rows, gamma, ctx) prices."""
+    """A StepRecord's drafting less its host-side lookups: what draft_s(rows, gamma, ctx, fill) prices."""
     return step.draft_s - getattr(step, "lookup_s", 0.0)
 
 
@@ -195,7 +217,7 @@ class LocalCorrection:
 
     def __init__(self, keep: int = KEEP_LOCAL):
         self.keep = keep
-        self.samples: dict[tuple, deque] = {}       # key -> (rows, ctx, seconds) of its last steps
+        self.samples: dict[tuple, deque] = {}       # key -> (rows, ctx, seconds, extra fill) of its last steps
         self.ratios: dict[tuple, deque] = {}        # key -> measured / modelled of the same steps
         self.factors: dict[tuple, float] = {}       # key -> median ratio, keys with >= MIN_LOCAL
         self.clock = 0                              # policy steps added (`tick`), all buckets
@@ -221,6 +243,12 @@ class LocalCorrection:
     def modelled(model: CostModel, k: int, rows: int, ctx: float) -> float:
         """The smooth model's price of the same quantity at the bucket's k (here gamma)."""
         return model.modelled_step_s(rows, k, ctx)
+
+    @staticmethod
+    def extra(step) -> float:
+        """Tokens the step's heads filled beyond its gamma's (extra_fill), priced into `modelled`:
+        a step after a wider one measures its bucket, not the wider step's fill."""
+        return extra_fill(step)
 
     def count(self, gamma: int, rows: int, ctx: float) -> int:
         """Steps kept at this bucket."""
@@ -248,7 +276,7 @@ class LocalCorrection:
         `key`: the step's `key(...)`, where the caller has it already. `tick`: the policy chose
         it, so it ages every other bucket (module docstring)."""
         key = key or self.step_key(step)
-        sample = (step.rows, step.context_len, self.seconds(step))
+        sample = (step.rows, step.context_len, self.seconds(step), self.extra(step))
         kept = self.samples.setdefault(key, deque(maxlen=self.keep))
         if key in self.last and self.clock - self.last[key] > REVISIT_STEPS:
             for old in (kept, self.ratios.get(key)):     # revisited: the old steps give way to new ones
@@ -270,8 +298,8 @@ class LocalCorrection:
 
     def _price(self, key: tuple, model: CostModel, samples) -> None:
         ratios = self.ratios.setdefault(key, deque(maxlen=self.keep))
-        for rows, ctx, seconds in samples:
-            modelled = self.modelled(model, key[0], rows, ctx)
+        for rows, ctx, seconds, extra in samples:
+            modelled = self.modelled(model, key[0], rows, ctx) + (model.fill_s(extra, ctx) if extra else 0.0)
             if modelled > 0:
                 ratios.append(seconds / modelled)
         if len(ratios) >= MIN_LOCAL:
@@ -318,6 +346,10 @@ class VerifyCorrection(LocalCorrection):
     @staticmethod
     def modelled(model: CostModel, k: int, rows: int, ctx: float) -> float:
         return model.verify_s(rows, k, ctx)
+
+    @staticmethod
+    def extra(step) -> float:
+        return 0.0                         # the verify alone: the heads' fill is not in it
 
     @staticmethod
     def takes(step) -> bool:
@@ -378,8 +410,8 @@ def fit_cost_model(steps, profile=(), profile_weight: float = 0.25, local: Local
     drafted = [(s, wt) for s, wt in records if s.gamma > 0 and heads_draft_s(s) > 0]
     dcoef = torch.zeros(5, **f64)
     if drafted:
-        xd = torch.tensor([[1.0, s.rows * (s.gamma + 1), s.gamma - 1, (s.gamma - 1) * s.rows,
-                            s.rows * (s.gamma + 1) * s.context_len] for s, _ in drafted], **f64)
+        xd = torch.tensor([[1.0, heads_fill(s), s.gamma - 1, (s.gamma - 1) * s.rows,
+                            heads_fill(s) * s.context_len] for s, _ in drafted], **f64)
         yd = torch.tensor([heads_draft_s(s) for s, _ in drafted], **f64)
         wd = torch.tensor([wt for _, wt in drafted], **f64)
         if not _spans([s.context_len for s, _ in drafted]):
@@ -439,7 +471,7 @@ def rescale_to(model: CostModel, real) -> CostModel:
         return model
     v = statistics.median(s.verify_s / max(model.verify_s(s.rows, s.query_len, s.context_len), 1e-12) for s in real)
     drafted = [s for s in real if s.gamma > 0 and heads_draft_s(s) > 0]
-    d = statistics.median(heads_draft_s(s) / max(model.draft_s(s.rows, s.gamma, s.context_len), 1e-12)
+    d = statistics.median(heads_draft_s(s) / max(model.draft_s(s.rows, s.gamma, s.context_len, heads_fill(s)), 1e-12)
                           for s in drafted) if drafted else 1.0
     return replace(model, verify_coef=tuple(x * v for x in model.verify_coef),
                    draft_coef=tuple(x * d for x in model.draft_coef), multi_token_s=model.multi_token_s * v,

@@ -24,6 +24,8 @@ class StepRecord:
     emitted: int            # tokens emitted over all rows (accepted + 1 per row)
     overhead_s: float = 0.0  # the rest of the step: choosing gamma, emitting tokens, stop checks
     lookup_s: float = 0.0   # of draft_s, host-side drafting: the n-gram lookup and the per-row choice
+    fill_tokens: int = -1   # of draft_s, tokens the heads' fill of the last step ran (its rows x its
+                            # verify width); -1: not recorded (read as rows x (gamma + 1))
 
 
 @dataclass
