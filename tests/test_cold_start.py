@@ -65,8 +65,8 @@ def test_a_fresh_engine_takes_its_profile_from_the_disk_cache(shipped, monkeypat
 
 def test_a_small_first_call_with_no_profile_anywhere_measures_on_its_own_steps(shipped, monkeypatch):
     """No profile in memory or on disk and a call of a few rows: no bare forwards are timed; the
-    policy runs gamma 0, 1 and 2 on real steps, fits the cost model from them and decides from
-    it. The tokens are gamma 0's (greedy)."""
+    policy runs gamma 0, gamma_max (4) and 2 on real steps, so the fit spans every width it prices,
+    fits the cost model from them and decides from it. The tokens are gamma 0's (greedy)."""
     _, with_prior = shipped
     import pipeline.engine.warm_start as warm_start
     calls = []
@@ -76,7 +76,7 @@ def test_a_small_first_call_with_no_profile_anywhere_measures_on_its_own_steps(s
     engine = first_auto_call(with_prior, prompts)
     decisions = engine.last_policy.decisions
     assert calls == [] and engine.costs.profiles_taken == 0 and not engine.costs.profile
-    assert [d.gamma for d in decisions[:3]] == [0, 1, 2]
+    assert [d.gamma for d in decisions[:3]] == [0, 4, 2]
     assert all(d.measuring and not d.predicted_goodput for d in decisions[:3])
     assert any(d.predicted_goodput for d in decisions[3:])          # priced by the model the steps fitted
     plain = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), gamma=0)

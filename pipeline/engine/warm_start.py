@@ -147,7 +147,7 @@ def explores(engine, batch: int) -> bool:
     own steps instead: at most EXPLORE_ROWS rows (a profile costs more than such a call's
     decoding, 0.2-0.5 s of bare forwards on a CPU against a few steps a row), an engine with
     nothing profiled yet, and gamma_max >= 2 (the policy's exploration, pipeline.spec_decode.policy,
-    runs gamma 0, 1, 2 until the cost model has three shapes to fit)."""
+    runs gamma 0, gamma_max and one between until the cost model has three shapes to fit)."""
     return batch <= EXPLORE_ROWS and not engine.costs.profile and engine.gamma_max >= 2
 
 
