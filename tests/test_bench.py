@@ -57,6 +57,24 @@ def test_quick_matrix_end_to_end(tmp_path):
     assert (tmp_path / "out" / "bench_plots.html").stat().st_size > 100_000      # plotly.js inlined
 
 
+def test_a_cell_of_more_prompts_than_its_batch_runs_transformers_at_that_batch(tmp_path, monkeypatch):
+    """bench.min_rows puts 4 prompts in a batch-1 cell: the engine decodes them in turn, and so
+    must transformers and its prompt lookup (which runs at batch 1 only)."""
+    import pipeline.bench.runner as runner
+
+    model = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"task": ["complete"] * 4, "text": [f"def f{i}(a, b):\n    return a + b" for i in range(4)]}), data)
+    seen, real = [], runner.run_transformers
+    monkeypatch.setattr(runner, "run_transformers", lambda m, prompts, *a, **k: seen.append(len(prompts)) or real(m, prompts, *a, **k))
+    spec = BenchSpec(model_path=model, data_path=str(data), out_dir=str(tmp_path / "out"), batches=(1,),
+                     tasks=("complete",), temperatures=(0.0,), prompt_lengths=("short",), gammas=(0,),
+                     prompt_lookup_tokens=2, max_new_tokens=4, reps=1, device="cpu", min_rows=4)
+    cell = run_matrix(spec, log=lambda *_: None)["cells"][0]
+    assert cell["rows"] == 4 and {"transformers", "prompt_lookup"} <= set(cell["systems"])
+    assert seen and set(seen) == {1} and len(seen) == 1 + 2 * 4     # warm-up, then 4 prompts per system
+
+
 def test_bench_quick_job_runs_through_hydra(tmp_path):
     import subprocess
     import sys

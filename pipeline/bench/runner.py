@@ -16,7 +16,7 @@ import torch
 from pipeline.bench.prompts import RANDOM, random_prompts, task_prompts
 from pipeline.bench.repeat import run_order
 from pipeline.bench.roofline import Roofline, measure_roofline
-from pipeline.bench.systems import Measurement, percentile, run_engine, run_transformers
+from pipeline.bench.systems import Measurement, merged, percentile, run_engine, run_transformers
 from pipeline.engine import Engine, SamplingParams
 
 
@@ -157,11 +157,10 @@ def warm_up(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
 def measure(spec: BenchSpec, sut: Systems, cell: Cell, name: str, prior) -> Measurement:
     """One timed call of system `name` on the cell's prompts."""
     params = _params(spec, cell)
-    if name == "transformers":
-        return run_transformers(sut.hf, cell.prompts, params, sut.pad_id, sut.eos_ids)
-    if name == "prompt_lookup":
-        return run_transformers(sut.hf, cell.prompts, params, sut.pad_id, sut.eos_ids,
-                                lookup=spec.prompt_lookup_tokens)
+    if name in ("transformers", "prompt_lookup"):   # a cell of more prompts than its batch: in turn
+        lookup = spec.prompt_lookup_tokens if name == "prompt_lookup" else 0
+        return merged([run_transformers(sut.hf, cell.prompts[i:i + cell.batch], params, sut.pad_id, sut.eos_ids,
+                                        lookup=lookup) for i in range(0, len(cell.prompts), cell.batch)])
     if name.startswith("draft="):
         draft, _, layout = name.split("=")[1].partition("/")
         _fresh_index(sut, cell)

@@ -115,6 +115,12 @@ def run_transformers(model, prompts: list[list[int]], params, pad_id: int, eos_i
     return Measurement(generated - len(prompts), max(wall - prefill, 1e-9), prefill, steps)
 
 
+def merged(parts: list[Measurement]) -> Measurement:
+    """Calls run one after another (a cell's prompts in batches of its size) as one measurement."""
+    return Measurement(sum(m.decode_tokens for m in parts), sum(m.decode_s for m in parts),
+                       sum(m.prefill_s for m in parts), [x for m in parts for x in m.token_latency_s])
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
