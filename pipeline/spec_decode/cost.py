@@ -22,9 +22,9 @@ gamma - 1 one-token steps:
     draft_s = [gamma > 0] * (d + e * F + k * F * ctx) + max(gamma - 1, 0) * (f + g * rows)
 
 The fit reads F as each step recorded it (StepRecord.fill_tokens): after a plain step it is
-rows, after n-gram drafts 8 wide it is rows * 9. Priced as rows * (gamma + 1) for the fit, such steps
-made the fill's cost look like a depth's: after the draft-sources cells one fit priced a heads'
-depth at 48 rows at 10.8 ms against 2.9 measured (docs/decisions.md, stop 37).
+rows, after n-gram drafts 8 wide it is rows * 9. Read as rows * (gamma + 1), such steps made the
+fill's cost look like a depth's: after the draft-sources cells one fit priced a heads' depth at
+48 rows at 10.8 ms, where a fit of heads-only steps gave 2.9 (docs/decisions.md, stop 37).
 
 lookup_s(rows) = l * rows: host-side drafting (the n-gram lookup, which the source times itself,
 and the per-row choice it needs: StepRecord.lookup_s, part of draft_s), the median per row of
