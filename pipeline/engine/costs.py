@@ -23,8 +23,7 @@ import statistics
 import time
 from collections import deque
 
-from pipeline.spec_decode.cost import (CostModel, LocalCorrection, VerifyCorrection, extra_fill, fit_cost_model,
-                                       step_seconds)
+from pipeline.spec_decode.cost import CostModel, LocalCorrection, VerifyCorrection, fit_cost_model, step_seconds
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -109,8 +108,8 @@ class CostTracker:
         if model is not None:
             factor = self.local.factors.get(key)
             if factor is not None:
-                predicted = (model.modelled_step_s(step.rows, step.gamma, step.context_len)
-                             + model.fill_s(extra_fill(step), step.context_len)) * factor
+                predicted = self.local.priced(model, step.gamma, step.rows, step.context_len,
+                                              self.local.extra(step)) * factor
                 if predicted > 0:
                     self.ratios.append(step_seconds(step) / predicted)
                     self._check_drift()

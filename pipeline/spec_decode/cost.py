@@ -246,9 +246,13 @@ class LocalCorrection:
 
     @staticmethod
     def extra(step) -> float:
-        """Tokens the step's heads filled beyond its gamma's (extra_fill), priced into `modelled`:
+        """Tokens the step's heads filled beyond its gamma's (extra_fill), priced into `priced`:
         a step after a wider one measures its bucket, not the wider step's fill."""
         return extra_fill(step)
+
+    def priced(self, model: CostModel, k: int, rows: int, ctx: float, extra: float) -> float:
+        """What `model` prices a step of the bucket's k at, plus the heads' fill of `extra` tokens."""
+        return self.modelled(model, k, rows, ctx) + model.fill_s(extra, ctx)
 
     def count(self, gamma: int, rows: int, ctx: float) -> int:
         """Steps kept at this bucket."""
@@ -299,7 +303,7 @@ class LocalCorrection:
     def _price(self, key: tuple, model: CostModel, samples) -> None:
         ratios = self.ratios.setdefault(key, deque(maxlen=self.keep))
         for rows, ctx, seconds, extra in samples:
-            modelled = self.modelled(model, key[0], rows, ctx) + (model.fill_s(extra, ctx) if extra else 0.0)
+            modelled = self.priced(model, key[0], rows, ctx, extra)
             if modelled > 0:
                 ratios.append(seconds / modelled)
         if len(ratios) >= MIN_LOCAL:
