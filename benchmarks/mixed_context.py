@@ -1,5 +1,6 @@
 """What a verify step costs when its rows hold different contexts: all rows at a short
-context, all at a long one, and all short but one long (real clock, fastest of --reps).
+context, all at a long one, and all short but one long (real clock, fastest of --reps
+interleaved repetitions).
 
     python benchmarks/mixed_context.py --rows 48 --threads 1
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +32,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import torch
 
+    from pipeline.bench.step_costs import median_times
     from pipeline.engine import Engine
     from pipeline.model.cache import Batch, KVCache
 
@@ -41,30 +42,26 @@ def main(argv=None) -> None:
     cache = KVCache(cfg.num_layers, args.rows, max(args.long) + max(args.tokens) + 1, cfg.num_kv_heads,
                     cfg.head_dim, engine.dtype, dev)
 
-    def fastest(starts: torch.Tensor, q: int) -> float:
+    def verify(starts: torch.Tensor, q: int):
         tokens = torch.randint(0, cfg.vocab_size, (args.rows, q), device=dev)
         batch = Batch.make((starts[:, None] + torch.arange(q)).to(dev))
-        best = float("inf")
-        for _ in range(args.reps + 1):             # the first run warms up
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            engine.target(tokens, batch, cache)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            best = min(best, time.perf_counter() - t0)
-        return 1e3 * best
+        return lambda: engine.target(tokens, batch, cache)
 
     print(f"{args.rows} rows, ms per verify forward (fastest of {args.reps}), device {dev}\n")
     print("| tokens | long | all short | all long | short but one long | mean context of the last |")
     print("|---:|---:|---:|---:|---:|---:|")
     for q in args.tokens:
-        short = fastest(torch.full((args.rows,), args.short), q)
+        layouts = {"short": torch.full((args.rows,), args.short)}
         for long in args.long:
-            mixed = torch.full((args.rows,), args.short)
-            mixed[0] = long
-            print(f"| {q} | {long} | {short:.1f} | {fastest(torch.full((args.rows,), long), q):.1f} | "
-                  f"{fastest(mixed, q):.1f} | {float(mixed.float().mean()):.0f} |")
+            layouts[("long", long)] = torch.full((args.rows,), long)
+            layouts[("mixed", long)] = torch.full((args.rows,), args.short)
+            layouts[("mixed", long)][0] = long
+        ms = {k: 1e3 * s for k, s in median_times({k: verify(v, q) for k, v in layouts.items()}, args.reps, dev,
+                                                   stat=min).items()}
+        for long in args.long:
+            mean = float(layouts[("mixed", long)].float().mean())
+            print(f"| {q} | {long} | {ms['short']:.1f} | {ms[('long', long)]:.1f} | {ms[('mixed', long)]:.1f} | "
+                  f"{mean:.0f} |")
 
 
 if __name__ == "__main__":
