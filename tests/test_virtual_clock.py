@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from pipeline.bench.virtual_clock import VirtualClock, kv_bucket, rows_bucket
+from pipeline.bench.virtual_clock import VirtualClock, kv_bucket, monotone, rows_bucket
 from pipeline.engine import Engine, SamplingParams
 from pipeline.model.cache import Batch
 from tests.tiny_models import random_prompts, tiny_checkpoint
@@ -77,3 +77,40 @@ def test_a_pricing_pass_keeps_the_faster_of_the_loaded_and_the_new_price():
     plain = VirtualClock(prices={"k:slow": 5.0})
     plain.priced("k", lambda: None, lambda: "slow")()
     assert plain.prices["k:slow"] == 5.0 and plain.measured == 0
+
+
+def test_a_shape_is_charged_no_more_than_a_shape_doing_more_work():
+    """Measured prices only overstate: a forward costs at most what a larger one was measured at."""
+    prices = {"target:1x1@32": 4.0, "target:1x3@160": 9.4, "target:1x4@160": 5.6, "target:1x4@192": 5.5,
+              "target:2x3@160": 5.0, "head:0:1x2@64": 0.9, "head:1:1x2@64": 0.5, "logits:1x256": 0.3,
+              "logits:2x256": 0.2, "logits:1x512": 0.1, "k:slow": 5.0}
+    m = monotone(prices)
+    assert m["target:1x3@160"] == 5.0                 # 2x3@160 and 1x4@160/192 do at least its work
+    assert m["target:1x4@160"] == 5.5 and m["target:1x4@192"] == 5.5 and m["target:1x1@32"] == 4.0
+    assert m["head:0:1x2@64"] == 0.9                   # another head layer is another group
+    assert m["logits:1x256"] == 0.2 and m["logits:1x512"] == 0.1   # a logits width is a group, rows are work
+    assert m["k:slow"] == 5.0 and all(m[k] <= prices[k] for k in prices)
+    work = lambda k: tuple(int(x) for x in k.split(":")[1].replace("@", "x").split("x"))   # noqa: E731
+    targets = [k for k in m if k.startswith("target:")]
+    assert all(m[a] <= m[b] for a in targets for b in targets if all(x <= y for x, y in zip(work(a), work(b))))
+
+
+def test_the_clock_charges_the_monotone_price_and_saves_the_measured_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    engine = _engine(tmp_path)
+    cache = engine.kv_cache("target", engine.config.num_layers, 1, 64, engine.config.num_kv_heads,
+                            engine.config.head_dim)
+    one = lambda: engine.target(torch.tensor([[3]]), Batch.make(torch.tensor([[7]])), cache)   # noqa: E731
+    prices = {"target:1x1@32": 5.0, "target:1x2@32": 2.0}
+    for raw, charge in ((False, 2.0), (True, 5.0)):
+        clock = VirtualClock(prices=prices, raw=raw)
+        with clock.installed():
+            t0 = time.perf_counter()
+            one()
+            assert charge <= time.perf_counter() - t0 < charge + 0.5
+        clock.save(tmp_path / "p.json")
+        assert VirtualClock.load(tmp_path / "p.json").prices == prices
+    clock = VirtualClock(prices={"target:1x2@64": 1e-7})      # a new shape: at most a loaded larger one
+    with clock.installed():
+        one()
+    assert clock.measured == 1 and clock.charges["target:1x1@32"] == 1e-7 < clock.prices["target:1x1@32"]
