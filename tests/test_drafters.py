@@ -299,6 +299,50 @@ def test_heads_run_for_a_step_only_where_their_cost_pays_against_the_ngram_draft
     assert planner._heads_pay([[0.9, 0.8, 0.5]], [True], 2.5, 3, 1, 64.0)[0] is want
 
 
+def test_a_row_takes_the_heads_or_its_ngram_draft_by_what_each_keeps_within_the_heads_depth():
+    """Heads at gamma 3 keep 1.8 drafts; a long weak match keeps 1.2 of its first 3 (1.8 of 5):
+    the heads. Counted whole, the match's 4th and 5th drafts were free and it tied or won, though
+    they widen every row's verify (priced apart, for the step)."""
+    from pipeline.spec_decode.row_drafts import takes_heads
+    weak = [0.5, 0.4, 0.3, 0.3, 0.3]
+    assert takes_heads(weak, 1.8, 3) and not takes_heads(weak, 1.1, 3)
+    assert not takes_heads([0.9, 0.8, 0.7], 1.8, 3)                  # a strong match beats the heads
+    assert takes_heads(weak + [0.3], 1.8, 3) and not takes_heads(weak + [0.3], 1.8, 6)
+
+
+@pytest.mark.parametrize("strong,lookups", [(False, 4), (True, 16)])
+def test_the_lookup_pauses_while_the_heads_beat_every_match(strong, lookups):
+    """Where no row keeps an n-gram draft, the lookup's host time is spent for nothing: it pauses
+    1, 3, 7 steps (4 lookups in 16 steps); a match that wins is looked up every step."""
+    from pipeline.engine.drafters.base import Proposal
+    from pipeline.engine.drafting import DraftPlanner
+    from pipeline.spec_decode.stats import SpecStats
+
+    calls = []
+
+    class Ngram:
+        def propose(self, req):
+            calls.append(1)
+            return Proposal(torch.tensor([[5, 6, 7]]), torch.tensor([3]), None, [3], 0.0, [3])
+
+    class Heads:
+        def propose(self, req):
+            return Proposal(torch.tensor([[1, 2, 3]]), torch.tensor([3]), None)
+
+        def skip(self):
+            pass
+
+    a = 0.99 if strong else 0.2
+    stats = SpecStats(reached=[100] * 3, accepted=[80] * 3,
+                      source_reached={"ngram:3": [100] * 3}, source_accepted={"ngram:3": [int(100 * a)] * 3})
+    planner = DraftPlanner({"ngram": Ngram(), "mtp": Heads()}, auto=True, ngram_cap=3, evidence=None,
+                           cost_model=lambda: None, params=None)
+    for _ in range(16):
+        out = planner.plan(1, torch.tensor([10]), [None], 3, None, stats, None, 10.0, False)
+        assert out.drafts.tolist() == ([[5, 6, 7]] if strong and calls[-1:] else [[1, 2, 3]])
+    assert len(calls) == lookups
+
+
 def test_a_batch_that_never_drafts_moves_no_head_cache_rows(root, monkeypatch):
     """Rows that finish early leave holes the last row moves into; the heads' cache of a row
     that never drafted holds nothing, so only the target's cache row is copied. Once rows

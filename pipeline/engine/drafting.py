@@ -2,10 +2,11 @@
 
 The MTP gamma comes from the gamma policy as before (it prices the heads' cost); the n-gram
 source proposes for every row at no model cost; each row then takes the source with more
-expected accepted tokens, and under `auto` the step keeps the drafts that pay for their verify
-cost (pipeline.spec_decode.row_drafts); where none pays (a compute-bound batch) the lookup
-pauses for a growing number of steps, so its host time goes too. With a fixed gamma every row
-drafts what its source has, up to gamma. The result is one padded draft tensor with a count per row.
+expected accepted tokens within the heads' depth, and under `auto` the step keeps the drafts
+that pay for their verify cost (pipeline.spec_decode.row_drafts); where no row keeps an n-gram
+draft (a compute-bound batch, or heads that beat every match) the lookup pauses for a growing
+number of steps, so its host time goes too. With a fixed gamma every row drafts what its
+source has, up to gamma. The result is one padded draft tensor with a count per row.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pipeline.spec_decode.policy import estimate_acceptance
 from pipeline.spec_decode.acceptance import PAD, pad_mask
 from pipeline.engine.verify import packs
 from pipeline.spec_decode.row_drafts import (leading, acceptance_table, cumulative, draft_lengths, kept,
-                                              padded_lengths, rows_p)
+                                              padded_lengths, rows_p, takes_heads)
 from pipeline.spec_decode.stats import SpecStats, _add_list_maps
 
 MIN_GAIN = 0.05       # per-row drafts must predict this much over plain decoding (as GoodputPolicy.min_gain)
@@ -100,7 +101,7 @@ class DraftPlanner:
             reached = _sum(stats.reached, mtp_prior.reached if mtp_prior else [])
             accepted = _sum(stats.accepted, mtp_prior.accepted if mtp_prior else [])
             p_mtp = sum(cumulative(estimate_acceptance(reached, accepted, mtp_gamma)))
-            use_mtp = [sum(r) < p_mtp for r in p_ng]
+            use_mtp = [takes_heads(r, p_mtp, mtp_gamma) for r in p_ng]
             if self.auto and any(use_mtp):
                 pay, ng_lens = self._heads_pay(p_ng, use_mtp, p_mtp, mtp_gamma, n, ctx)
                 if not pay:
@@ -110,11 +111,13 @@ class DraftPlanner:
             ng_lens = self._lengths(p_ng, n, ctx) if self.auto else avail
         lens = [mtp_gamma if u else k for u, k in zip(use_mtp, ng_lens)]
         looked += time.perf_counter() - t_choice
-        if not any(lens):                 # no n-gram draft pays: look again after a growing pause
+        if any(k for k, u in zip(lens, use_mtp) if not u):
+            self._idle = 0
+        else:                             # no n-gram draft kept: look again after a growing pause
             self._idle += 1
             self._wait = min(2 ** self._idle, MAX_WAIT) - 1
-            return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
-        self._idle = 0
+            if not any(lens):
+                return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
         width = max(lens)
         drafts = ng.drafts[:, :width]
         if width > g:

@@ -3,7 +3,7 @@
 Each row i has, from each source, a proposal of avail_i drafts whose j-th is kept with
 probability P_ij = prod_{k<=j} a_k (a_k: that source's measured per-depth acceptance, for an
 n-gram draft at its match length). A row takes the source with the larger expected accepted
-tokens sum_j P_ij. Then over all rows at once, with a ragged verify costing
+tokens sum_j P_ij within the heads' depth (`takes_heads`). Then over all rows at once, with a ragged verify costing
 
     step_s(D) = base_s + [D > 0] * first_s + D * token_s          (D: drafts in the step)
 
@@ -54,6 +54,16 @@ def rows_p(cum: list[float], avail: int) -> list[float]:
 def kept(p: list[list[float]], lens: list[int]) -> float:
     """Expected accepted drafts when row i keeps its first lens[i]."""
     return sum(sum(row[:k]) for row, k in zip(p, lens))
+
+
+def takes_heads(row: list[float], p_mtp: float, gamma: int) -> bool:
+    """Whether a row drafts with the heads (expected kept drafts `p_mtp` at depth `gamma`) rather
+    than its n-gram proposal (P `row`), compared at the heads' depth: drafts past it widen the
+    verify, which the step's pricing weighs for every row at once (DraftPlanner._heads_pay,
+    _lengths); counted as free, a long weak match took rows from better heads.
+    Example: heads 1.8 at gamma 3; n-gram P [0.5, 0.4, 0.3, 0.3, 0.3]: 1.2 within 3 (1.8 in all):
+    the heads."""
+    return sum(row[:gamma]) < p_mtp
 
 
 def leading(row: list[float]) -> int:
