@@ -167,3 +167,25 @@ def test_local_correction_is_kept_per_context_and_outlives_the_fit_window():
     tracker._new_work_s = float("inf")                                       # make the refit due now
     refit = tracker.model()
     assert refit is not model and refit.step_s(1, 1, 400) == pytest.approx(6e-3, rel=1e-6)
+
+
+def test_a_waiting_fill_is_priced_at_its_size_not_at_the_mean_per_token():
+    """Fills cost a fixed part plus a per-token part (here 0.6 ms + 20 us a token). After
+    batch-1 fills of 11-29 tokens, a 48-row fill of 1,000 tokens costs about 20.6 ms; the mean
+    per token of those fills prices it at about twice that."""
+    tracker = CostTracker()
+    for t in (11, 14, 18, 25, 29, 13, 22, 17):
+        tracker.note_prompt_fill(0.6e-3 + 2e-5 * t, t)
+    mean = sum(s for s, _ in tracker.prompt_fills) / sum(t for _, t in tracker.prompt_fills) * 1000
+    assert tracker.prompt_fill_s(1000) == pytest.approx(0.6e-3 + 2e-5 * 1000, rel=0.01)
+    assert mean > 1.8 * tracker.prompt_fill_s(1000)
+    assert tracker.prompt_fill_s(10) <= sum(s for s, _ in tracker.prompt_fills) / sum(t for _, t in tracker.prompt_fills) * 10
+    one_size = CostTracker()
+    one_size.note_prompt_fill(2e-3, 50)
+    one_size.note_prompt_fill(3e-3, 50)
+    assert one_size.prompt_fill_s(100) == pytest.approx(5e-3)        # no line to fit: the mean
+    falling = CostTracker()                                         # noise that slopes down: the mean
+    falling.note_prompt_fill(3e-3, 10)
+    falling.note_prompt_fill(2e-3, 100)
+    assert falling.prompt_fill_s(110) == pytest.approx(5e-3)
+    assert CostTracker().prompt_fill_s(100) is None

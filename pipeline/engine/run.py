@@ -213,29 +213,31 @@ class GenerateRun:
         """For the cost-model policy: the heads' waiting fills (prompts of rows that have not
         drafted yet, tokens of gamma-0 steps: a speculative step runs them first), as seconds
         per token their rows are expected to produce still, summed over them, and as seconds in
-        all (pipeline.spec_decode.policy). A row's
-        expected remainder: the median output length of its task's recent rows in this engine
+        all (pipeline.spec_decode.policy). The fill is priced at its whole size
+        (CostTracker.prompt_fill_s), each row's share by its tokens. A row's expected remainder: the median output length of its task's recent rows in this engine
         (of this call's rows where the call names no task: calls of different tasks would mix)
         less what it has, at least 1, within its budget (its budget alone before any row ended).
         Example: a 114-token prompt at 22 us a token, its task's rows ending at 8 tokens, 1
         generated: 2.5 ms / 7 = 0.36 ms per token left."""
         d = self.drafter
         waiting = d is not None and (d.prompts or d.backlog)
-        per_token = self.e.costs.prompt_fill_s_per_token() if self.refine and waiting else None
-        if per_token is None:
+        tokens = sum(d.prompts.tokens.values()) + sum(d.backlog.tokens.values()) if waiting else 0
+        fill_s = self.e.costs.prompt_fill_s(tokens) if self.refine and tokens else None
+        if fill_s is None:
             return 0.0, 0.0
+        per_token = fill_s / tokens
         typical = statistics.median(self.lengths) if self.lengths else None
         total = whole = 0.0
         held = d.backlog.tokens
         for slot in d.prompts.tokens.keys() | held.keys():
-            tokens = d.prompts.tokens.get(slot, 0) + held.get(slot, 0)
+            mine = d.prompts.tokens.get(slot, 0) + held.get(slot, 0)
             r = self.slots.rows[slot]
             if r is None:
                 continue
             left = r.max_new - len(r.tokens)
             expect = left if typical is None else min(left, max(typical - len(r.tokens), 1))
-            total += per_token * tokens / max(expect, 1)
-            whole += per_token * tokens
+            total += per_token * mine / max(expect, 1)
+            whole += per_token * mine
         return total, whole
 
     def _rows_apart(self, n: int) -> tuple:
