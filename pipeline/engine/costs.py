@@ -142,7 +142,7 @@ class CostTracker:
         ts = [t for _, t in self.prompt_fills]
         ss = [s for s, _ in self.prompt_fills]
         mean = sum(ss) / sum(ts) * tokens
-        n, mt, ms = len(ts), sum(ts) / len(ts), sum(ss) / len(ss)
+        mt, ms = sum(ts) / len(ts), sum(ss) / len(ss)
         var = sum((t - mt) ** 2 for t in ts)
         if var <= 0:
             return mean

@@ -214,9 +214,10 @@ class GenerateRun:
         drafted yet, tokens of gamma-0 steps: a speculative step runs them first), as seconds
         per token their rows are expected to produce still, summed over them, and as seconds in
         all (pipeline.spec_decode.policy). The fill is priced at its whole size
-        (CostTracker.prompt_fill_s), each row's share by its tokens. A row's expected remainder: the median output length of its task's recent rows in this engine
-        (of this call's rows where the call names no task: calls of different tasks would mix)
-        less what it has, at least 1, within its budget (its budget alone before any row ended).
+        (CostTracker.prompt_fill_s), each row's share by its tokens. A row's expected
+        remainder: the median output length of its task's recent rows in this engine (of this
+        call's rows where the call names no task: calls of different tasks would mix) less what
+        it has, at least 1, within its budget (its budget alone before any row ended).
         Example: a 114-token prompt at 22 us a token, its task's rows ending at 8 tokens, 1
         generated: 2.5 ms / 7 = 0.36 ms per token left."""
         d = self.drafter
