@@ -77,6 +77,11 @@ def _work(key: str):
     return (kind, layer, None), (int(rows), int(q), int(kv))
 
 
+def _at_least(work: tuple, than: tuple) -> bool:
+    """Whether a shape of `work` (rows, tokens, keys) does at least the work of one of `than`."""
+    return all(a >= b for a, b in zip(work, than))
+
+
 def monotone(prices: dict[str, float]) -> dict[str, float]:
     """Each shape's price lowered to the least price of any shape of its group that does at
     least its work (more or as many rows, tokens and keys): measured prices only overstate, and a
@@ -90,7 +95,7 @@ def monotone(prices: dict[str, float]) -> dict[str, float]:
     for members in groups.values():
         members.sort()                                  # cheapest first: the first larger shape is the least
         for _, work, key in members:
-            out[key] = next(p for p, other, _ in members if all(o >= s for o, s in zip(other, work)))
+            out[key] = next(p for p, other, _ in members if _at_least(other, work))
     return out
 
 
@@ -101,7 +106,7 @@ def least_larger(key: str, price: float, table: dict[str, float]) -> float:
         return price
     group, work = w
     larger = [p for k, p in table.items() if (o := _work(k)) is not None and o[0] == group
-              and all(a >= b for a, b in zip(o[1], work))]
+              and _at_least(o[1], work)]
     return min(larger + [price])
 
 
