@@ -413,3 +413,16 @@ def test_a_step_prices_the_waiting_prompt_fills_per_token_their_rows_have_left(r
     assert untold._waiting_fills()[0] == pytest.approx(1e-4 * (9 + 5) / 3)
     from pipeline.spec_decode.policy import FixedGamma
     assert run(FixedGamma(2))._waiting_fills() == (0.0, 0.0)         # a fixed gamma decides nothing
+
+
+def test_a_rows_remainder_is_read_from_the_rows_that_ran_longer():
+    """A row past the median output length still has the remainder of the rows that got as far:
+    priced as if it were about to end, its waiting fill would hold it at gamma 0."""
+    from pipeline.engine.run import expected_left
+    lengths = [10, 20, 40, 64, 64]
+    assert expected_left(lengths, 30, 34) == 34          # past 30: 10, 34, 34 left (median less 30: 10)
+    assert expected_left(lengths, 5, 59) == 35           # every row ran longer: 5, 15, 35, 59, 59
+    assert expected_left(lengths, 30, 20) == 20          # within its budget
+    assert expected_left(lengths, 64, 100) == 1          # longer than every recent row
+    assert expected_left([], 3, 17) == 17                # nothing finished yet: its budget
+    assert expected_left([8, 8, 9], 1, 19) == 7

@@ -56,6 +56,19 @@ def prefill_groups(lengths: list[int], slack: float = PAD_SLACK) -> list[list[in
     return groups + [group] if group else groups
 
 
+def expected_left(lengths, have: int, left: int) -> float:
+    """Tokens a row that has `have` output tokens is expected to produce still, from recent
+    finished rows' output `lengths`: the median of L - have over the rows that ran longer than
+    it (a row's remaining length given that it got this far), within its budget `left`; its
+    budget where no row has finished; 1 where no recent row ran longer (it may end any step).
+    Example: lengths [10, 20, 40, 64, 64], have 30: the rows past 30 had 10, 34, 34 left, so
+    34 (the plain median less what it has would say 10, and 1 past 40)."""
+    if not lengths:
+        return max(left, 1)
+    longer = [n - have for n in lengths if n > have]
+    return max(min(left, statistics.median(longer)), 1) if longer else 1
+
+
 class GenerateRun:
     """State of one generate() call: slots, caches, queue, draft sources."""
 
@@ -216,8 +229,8 @@ class GenerateRun:
         all (pipeline.spec_decode.policy). The fill is priced at its whole size
         (CostTracker.prompt_fill_s), each row's share by its tokens. A row's expected
         remainder: the median output length of its task's recent rows in this engine (of this
-        call's rows where the call names no task: calls of different tasks would mix) less what
-        it has, at least 1, within its budget (its budget alone before any row ended).
+        call's rows where the call names no task: calls of different tasks would mix), as
+        `expected_left` reads them.
         Example: a 114-token prompt at 22 us a token, its task's rows ending at 8 tokens, 1
         generated: 2.5 ms / 7 = 0.36 ms per token left."""
         d = self.drafter
@@ -227,7 +240,6 @@ class GenerateRun:
         if fill_s is None:
             return 0.0, 0.0
         per_token = fill_s / tokens
-        typical = statistics.median(self.lengths) if self.lengths else None
         total = whole = 0.0
         held = d.backlog.tokens
         for slot in d.prompts.tokens.keys() | held.keys():
@@ -235,9 +247,7 @@ class GenerateRun:
             r = self.slots.rows[slot]
             if r is None:
                 continue
-            left = r.max_new - len(r.tokens)
-            expect = left if typical is None else min(left, max(typical - len(r.tokens), 1))
-            total += per_token * mine / max(expect, 1)
+            total += per_token * mine / expected_left(self.lengths, len(r.tokens), r.max_new - len(r.tokens))
             whole += per_token * mine
         return total, whole
 
