@@ -264,16 +264,17 @@ class Drafter:
         self.held.update(range(n))                 # every drafting row's entries are filled now
         k = len(self.heads)
         out, drafts, probs = first_out, [], []
-        keys = torch.arange(self.cache.capacity, device=lengths.device)
+        deepest = int(lengths.max()) + gamma - 1 if gamma > 1 else 0   # keys the last depth reads
+        visible = {}                # head -> [n, deepest] keys it may attend, up to its last depth
         for depth in range(1, gamma + 1):
             c = head_for_depth(k, depth)
             head = self.heads[c]
             if depth > 1:
                 pos = lengths + depth - 2                                        # [n]
-                lo = lengths + max(c - 1, 0)
-                kv_len = int(pos.max()) + 1
-                key_valid = self.valid[c, :n, :kv_len] | ((keys[:kv_len] >= lo[:, None]) & (keys[:kv_len] <= pos[:, None]))
-                batch = Batch.make(pos[:, None], kv_len=kv_len, key_valid=key_valid)
+                if c not in visible:
+                    visible[c] = self._visible(c, n, lengths, gamma, deepest)
+                kv_len = deepest - (gamma - depth)
+                batch = Batch.make(pos[:, None], kv_len=kv_len, key_valid=visible[c][:, :kv_len])
                 out = head(out[:, None], drafts[-1][:, None], batch, self.cache, c)[:, 0]
             logits, ids = head.draft_logits(out)                     # ids: the draft vocabulary or None
             if ids is not None and self.full_vocab_picks:            # noise keyed by token id: all V columns
@@ -283,6 +284,15 @@ class Drafter:
             probs.append(prob)
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
         return torch.stack(drafts, dim=1), draft_probs
+
+    def _visible(self, c: int, n: int, lengths: torch.Tensor, gamma: int, deepest: int) -> torch.Tensor:
+        """[n, deepest] keys head c may attend while drafting: its filled entries, and the drafts
+        of this step from its first draft position (lengths + c - 1) to the last depth's. Built
+        once for all the head's depths: a query at an earlier depth sees none of the later
+        drafts anyway (the mask is causal), so each depth reads a prefix view of it."""
+        keys = torch.arange(deepest, device=lengths.device)
+        lo, hi = lengths + max(c - 1, 0), lengths + gamma - 2
+        return self.valid[c, :n, :deepest] | ((keys >= lo[:, None]) & (keys <= hi[:, None]))
 
     def take_prompt_fill(self) -> tuple[float, int]:
         """(seconds, tokens) of the prompt and backlog fills `propose` ran since the last take
