@@ -8,7 +8,8 @@ length; rejected drafts are rolled back by not advancing its length.
 """
 from __future__ import annotations
 
-import statistics
+import bisect
+import math
 import time
 from collections import deque
 from dataclasses import replace
@@ -56,17 +57,22 @@ def prefill_groups(lengths: list[int], slack: float = PAD_SLACK) -> list[list[in
     return groups + [group] if group else groups
 
 
-def expected_left(lengths, have: int, left: int) -> float:
+def expected_left(ascending: list, have: int, left: int) -> float:
     """Tokens a row that has `have` output tokens is expected to produce still, from recent
-    finished rows' output `lengths`: the median of L - have over the rows that ran longer than
-    it (a row's remaining length given that it got this far), within its budget `left`; its
-    budget where no row has finished; 1 where no recent row ran longer (it may end any step).
+    finished rows' output lengths (`ascending`, sorted): the median of L - have over the rows
+    that ran longer than it (a row's remaining length given that it got this far), within its
+    budget `left`; its budget where no row has finished; 1 where no recent row ran longer (it
+    may end any step). One bisect a row: the policy asks for every row with a waiting fill.
     Example: lengths [10, 20, 40, 64, 64], have 30: the rows past 30 had 10, 34, 34 left, so
     34 (the plain median less what it has would say 10, and 1 past 40)."""
-    if not lengths:
+    if not ascending:
         return max(left, 1)
-    longer = [n - have for n in lengths if n > have]
-    return max(min(left, statistics.median(longer)), 1) if longer else 1
+    first = bisect.bisect_right(ascending, have)
+    if first == len(ascending):
+        return 1
+    mid = (first + len(ascending) - 1) / 2          # the median of ascending[first:]
+    median = (ascending[math.floor(mid)] + ascending[math.ceil(mid)]) / 2
+    return max(min(left, median - have), 1)
 
 
 class GenerateRun:
@@ -228,9 +234,8 @@ class GenerateRun:
         per token their rows are expected to produce still, summed over them, and as seconds in
         all (pipeline.spec_decode.policy). The fill is priced at its whole size
         (CostTracker.prompt_fill_s), each row's share by its tokens. A row's expected
-        remainder: the median output length of its task's recent rows in this engine (of this
-        call's rows where the call names no task: calls of different tasks would mix), as
-        `expected_left` reads them.
+        remainder: `expected_left` over its task's recent rows' output lengths in this engine
+        (this call's rows' where the call names no task: calls of different tasks would mix).
         Example: a 114-token prompt at 22 us a token, its task's rows ending at 8 tokens, 1
         generated: 2.5 ms / 7 = 0.36 ms per token left."""
         d = self.drafter
@@ -241,13 +246,14 @@ class GenerateRun:
             return 0.0, 0.0
         per_token = fill_s / tokens
         total = whole = 0.0
+        ascending = sorted(self.lengths)
         held = d.backlog.tokens
         for slot in d.prompts.tokens.keys() | held.keys():
             mine = d.prompts.tokens.get(slot, 0) + held.get(slot, 0)
             r = self.slots.rows[slot]
             if r is None:
                 continue
-            total += per_token * mine / expected_left(self.lengths, len(r.tokens), r.max_new - len(r.tokens))
+            total += per_token * mine / expected_left(ascending, len(r.tokens), r.max_new - len(r.tokens))
             whole += per_token * mine
         return total, whole
 
