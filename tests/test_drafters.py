@@ -103,6 +103,58 @@ def test_row_index_matches_its_own_tokens_then_the_task():
     assert RowIndex([3, 4]).match(None, 2) == ([], 0)
 
 
+def test_a_tail_is_looked_up_after_the_heads_drafts_and_within_the_budget():
+    """The heads drafted [7, 8] on a row whose prompt holds 7 8 9 10: its tail is 9 10 (a
+    2-gram match); a match at the row's end runs on into the drafts; the budget holds."""
+    idx = RowIndex([5, 6, 7, 8, 9])
+    idx.extend([], 5)
+    assert idx.match(None, 5, [5, 6]) == ([7, 8, 9, 5, 6], 2)            # its docstring's example
+    rows = [Row(0, [1, 7, 8, 9, 10, 2], 64, None, tokens=[3]), Row(1, [1, 7, 8, 9, 10, 2], 5, None, tokens=[3]),
+            None]
+    tails, match, _ = NgramSource(None, "cpu").tails(rows, [[7, 8], [7, 8], [7, 8]], 3)
+    assert tails == [[9, 10, 2], [9], []] and match == [2, 2, 0]        # row 1: 5 - 1 token - 1 - 2 drafts
+
+
+def test_heads_rows_carry_their_ngram_tails_greedy_identical(root, monkeypatch):
+    """Tails kept whatever their price: greedy output is the target's, the tails were verified
+    (and some kept), and the heads' per-depth evidence stops at their own depth."""
+    from tests.tiny_models import heads_always_at, keep_every_tail
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    prompts = repetitive_prompts(seed=5)
+    refs = hf_greedy(path, prompts, MAX_NEW)
+    kept = keep_every_tail(monkeypatch)
+    seen = record_draft_lens(monkeypatch)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=heads_always_at(engine, 2),
+                           draft="auto", task="t")
+    assert [o.token_ids for o in outs] == refs
+    st = engine.last_stats
+    assert any(any(t) for t in kept) and any(max(lens) > 2 for lens in seen)
+    assert st.drafted_by_source["ngram"] > 0 and st.accepted_by_source["ngram"] > 0
+    assert len(st.reached) == 2                      # the heads' depths; the tails count as n-gram drafts
+    drafted = sum(o.num_drafted_tokens for o in outs)
+    assert drafted == sum(st.drafted_by_source.values())
+    assert sum(o.num_accepted_tokens for o in outs) == sum(st.accepted_by_source.values())
+
+
+def test_a_tail_behind_a_rejected_heads_draft_is_drafted_but_no_evidence():
+    """Emission splits a heads row with a tail: the heads' counts up to their depth, the tail's
+    under its match length from its own depth 1 where it was reached, else only as drafted."""
+    from types import SimpleNamespace
+    from pipeline.engine.emit import emit_ragged
+    from pipeline.engine.params import RequestOutput
+    from pipeline.spec_decode.stats import SpecStats
+    rows = [Row(i, [1, 2], 64, RequestOutput()) for i in range(3)]
+    plan = SimpleNamespace(draft_len=torch.tensor([5, 5, 2]), use_mtp=torch.tensor([True, True, False]),
+                           match=[0, 0, 3], tail_len=[3, 3, 0], tail_match=[2, 2, 0])
+    stats = SpecStats()
+    emit_ragged(rows, stats, plan, [3, 1, 2], [[7] * 6, [7] * 6, [7] * 3], lambda row, toks: None)
+    assert stats.drafted_by_source == {"mtp": 4, "ngram": 8} and stats.accepted_by_source == {"mtp": 3, "ngram": 3}
+    assert stats.reached == [2, 2] and stats.accepted == [2, 1]           # the heads: depths 1-2 only
+    assert stats.source_reached["ngram:2"] == [1, 1, 0]                    # row 0's tail: kept 1 of 3
+    assert stats.source_accepted["ngram:2"] == [1, 0, 0]
+
+
 def test_ngram_drafts_stop_short_of_the_rows_token_budget():
     """A row with r tokens left emits at most r: its proposal holds at most r - 1 drafts."""
     prompt = [5, 6, 7, 8, 9, 10, 5, 6]                   # "5 6" was followed by 7 8 9 10 5 6

@@ -9,7 +9,7 @@ import transformers
 
 from pipeline.engine import Engine, SamplingParams
 from tests.stats_util import chi_square_pvalue, two_sample_pvalue
-from tests.tiny_models import tiny_checkpoint
+from tests.tiny_models import heads_always_at, keep_every_tail, tiny_checkpoint
 
 VOCAB, NEW, N = 8, 4, 30000
 PROMPT = [3, 5, 1, 6]
@@ -44,15 +44,22 @@ def setup(tmp_path_factory):
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2048)
     runs = {}
     for verify, gamma, draft in (("coupled", 0, "none"), ("coupled", 3, "mtp"), ("rejection", 3, "mtp"),
-                                 ("coupled", 3, "ngram"), ("rejection", 3, "ngram")):
+                                 ("coupled", 3, "ngram"), ("rejection", 3, "ngram"),
+                                 ("coupled", "tails", "auto"), ("rejection", "tails", "auto")):
         params = SamplingParams(max_new_tokens=NEW, temperature=TEMPERATURE, top_k=TOP_K, seed=11,
                                 ignore_eos=True, verify=verify)
         before = dict(engine.stats.drafted_by_source)
-        outs = engine.generate([PROMPT] * N, params, gamma=gamma, draft=draft)
+        with pytest.MonkeyPatch.context() as mp:
+            if gamma == "tails":     # one head's draft (with its q), then a one-hot n-gram tail
+                kept = keep_every_tail(mp)
+                outs = engine.generate([PROMPT] * N, params, gamma=heads_always_at(engine, 1), draft=draft)
+                assert any(any(step) for step in kept)
+            else:
+                outs = engine.generate([PROMPT] * N, params, gamma=gamma, draft=draft)
         tokens = torch.tensor([o.token_ids for o in outs])
         key = (verify, gamma) if draft != "ngram" else (verify, "ngram")
         runs[key] = (tokens, _counts(tokens))                          # [N, NEW], [V] * NEW
-        if draft == "ngram":     # one-hot drafts from the rows' own tokens and the task's outputs
+        if draft in ("ngram", "auto"):     # one-hot drafts from the rows' own tokens and the task's outputs
             assert engine.stats.drafted_by_source.get("ngram", 0) > before.get("ngram", 0)
     return path, engine, runs
 
@@ -75,7 +82,7 @@ def test_speculative_sampling_matches_exact_target_distribution(setup):
 
 def test_gamma_three_against_gamma_zero(setup):
     _, engine, runs = setup
-    for run in (("coupled", 3), ("rejection", 3), ("rejection", "ngram")):
+    for run in (("coupled", 3), ("rejection", 3), ("rejection", "ngram"), ("rejection", "tails")):
         for j in range(NEW):
             dims = tuple(d for d in range(NEW) if d != j)
             assert two_sample_pvalue(runs[run][1].sum(dims), runs["coupled", 0][1].sum(dims)) > 1e-4, (run, j)
@@ -86,6 +93,7 @@ def test_coupled_rows_equal_plain_sampling_with_their_noise(setup):
     _, _, runs = setup
     assert torch.equal(runs["coupled", 3][0], runs["coupled", 0][0])
     assert torch.equal(runs["coupled", "ngram"][0], runs["coupled", 0][0])
+    assert torch.equal(runs["coupled", "tails"][0], runs["coupled", 0][0])
     assert not torch.equal(runs["rejection", 3][0], runs["coupled", 0][0])
 
 

@@ -94,3 +94,33 @@ def test_acceptance_over_all_sources_pools_them_and_keeps_the_heads_apart():
     assert s.acceptance_by_depth_all_sources()[:2] == [1.0, 0.5]
     assert s.acceptance_by_depth() == [1.0, 1.0]                  # the heads' evidence alone
     assert s.row_steps == 3 and s.emitted_tokens == 4 + 3
+
+
+def test_a_heads_draft_then_a_one_hot_tail_in_one_row_samples_the_target_exactly():
+    """A heads row's n-gram tail: draft 1 sampled from q (its q counts), draft 2 a fixed token
+    (q one-hot, marked per draft). Both positions follow p, and the tail's token is kept with
+    p2(d) once the first draft was."""
+    gen = torch.Generator().manual_seed(2)
+    n = 40000
+    p1 = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])
+    p2 = torch.tensor([0.3, 0.3, 0.1, 0.2, 0.1])
+    q = torch.tensor([0.4, 0.1, 0.1, 0.2, 0.2])
+    target = torch.stack([p1, p2, p2])[None].expand(n, 3, V)
+    first = torch.multinomial(q, n, replacement=True, generator=gen)
+    drafts = torch.stack([first, torch.full_like(first, 1)], dim=1)            # tail token 1
+    probs = torch.stack([q, torch.zeros(V)])[None].expand(n, 2, V)
+    one_hot = torch.tensor([[False, True]]).expand(n, 2)
+    u_acc, u_fin = _draws(n, 2, gen)
+    num, emitted = rejection_sample_ragged(drafts, probs, target, u_acc, u_fin, torch.full((n,), 2), one_hot)
+    assert chi_square_pvalue(torch.bincount(emitted[:, 0], minlength=V), p1) > 1e-3
+    kept = num >= 1
+    assert chi_square_pvalue(torch.bincount(emitted[kept, 1], minlength=V), p2) > 1e-3
+    assert abs(float((num[kept] == 2).float().mean()) - 0.3) < 0.015
+
+
+def test_tail_lengths_worked_example():
+    from pipeline.spec_decode.row_drafts import tail_lengths
+    costs = [0.8, 0.9, 1.0, 1.05, 1.1, 1.4]
+    assert tail_lengths([[0.5, 0.4, 0.1]], 2, 2, 3.0, costs) == [2]          # its docstring's example
+    assert tail_lengths([[0.5, 0.4, 0.1], []], 2, 2, 3.0, [0.8, 0.9, 1.0, 1.5, 2.0, 2.5]) == [0, 0]
+    assert tail_lengths([[0.5, 0.4, 0.1], []], 3, 2, 3.0, [0.8, 0.9, 1.0, 1.5, 2.0, 2.5]) == [1, 0]   # within the width: free

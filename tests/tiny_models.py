@@ -30,3 +30,32 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
 def random_prompts(lengths, vocab_size: int, seed: int = 0, low: int = 3) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def heads_always_at(engine, gamma: int):
+    """An auto policy (so the n-gram tails are on) whose heads draft `gamma` every step."""
+    from pipeline.spec_decode.policy import GoodputPolicy
+
+    base = engine.auto_policy()
+
+    class HeadsAt(GoodputPolicy):
+        def choose(self, ctx):
+            return gamma
+
+    return HeadsAt(base.gamma_max, base.cost)
+
+
+def keep_every_tail(monkeypatch) -> list[list[int]]:
+    """Every heads row keeps all of its n-gram tail, whatever the price; returns the tails kept
+    per step (pipeline.engine.drafting.DraftPlanner._add_tails)."""
+    import pipeline.engine.drafting as drafting
+    from pipeline.spec_decode.row_drafts import leading
+
+    kept = []
+
+    def every(p_tail, width, gamma, base, costs):
+        kept.append([leading(t) for t in p_tail])
+        return kept[-1]
+
+    monkeypatch.setattr(drafting, "tail_lengths", every)
+    return kept

@@ -5,8 +5,11 @@ source proposes for every row at no model cost; each row then takes the source w
 expected accepted tokens within the heads' depth, and under `auto` the step keeps the drafts
 that pay for their verify cost (pipeline.spec_decode.row_drafts); where no row keeps an n-gram
 draft (a compute-bound batch, or heads that beat every match) the lookup pauses for a growing
-number of steps, so its host time goes too. With a fixed gamma every row drafts what its
-source has, up to gamma. The result is one padded draft tensor with a count per row.
+number of steps, so its host time goes too. Under `auto`, a row that drafts with the heads may
+also carry a *tail*: the n-gram continuation of its context followed by the heads' drafts, kept
+where the expected tokens it adds (its acceptance given that every heads' draft was kept) pay for
+the wider verify (`_add_tails`). With a fixed gamma every row drafts what its source has, up to
+gamma. The result is one padded draft tensor with a count per row.
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from pipeline.spec_decode.policy import estimate_acceptance
 from pipeline.spec_decode.acceptance import PAD, pad_mask
 from pipeline.engine.verify import packs
 from pipeline.spec_decode.row_drafts import (leading, acceptance_table, cumulative, draft_lengths, kept,
-                                              padded_lengths, rows_p, takes_heads)
+                                              padded_lengths, rows_p, tail_lengths, takes_heads)
 from pipeline.spec_decode.stats import SpecStats, _add_list_maps
 
 MIN_GAIN = 0.05       # per-row drafts must predict this much over plain decoding (as GoodputPolicy.min_gain)
 MAX_WAIT = 16         # where no n-gram draft pays, the lookup pauses 1, 3, 7, 15 steps (at most this - 1)
+                      # (likewise the tails' lookup)
+TAIL_MISSES = 3       # tails looked up without one kept, in a row, before their lookup pauses
 TABLE_STEPS = 16      # steps between re-estimates of the n-gram acceptance table
 GATHER_COST = 2.0     # a packed verify token costs about this many padded ones (cache gathers; measured on CPU)
 
@@ -39,6 +44,14 @@ class StepDrafts:
     use_mtp: torch.Tensor | None      # [n] bool rows taking the MTP drafts
     match: list[int] | None           # [n] n-gram match length (0: not an n-gram row)
     lookup_s: float = 0.0             # host-side drafting: the n-gram lookup (its own timing) and the per-row choice
+    tail_len: list[int] | None = None     # [n] n-gram drafts after a heads row's mtp_gamma (its tail)
+    tail_match: list[int] | None = None   # [n] the tail's match length
+
+    @property
+    def by_gamma(self) -> bool:
+        """Every row drafted mtp_gamma with the heads and nothing more, or none drafted: a step
+        of one gamma's shape (the cost model's per-gamma correction takes it)."""
+        return not (self.match and any(self.match)) and not (self.tail_len and any(self.tail_len))
 
 
 def empty_drafts(n: int, device, lookup_s: float = 0.0) -> StepDrafts:
@@ -73,6 +86,7 @@ class DraftPlanner:
         self.layout = layout              # the verify layout (pipeline.engine.verify): what to price
         self._table, self._asked = None, 0
         self._idle, self._wait = 0, 0     # steps in a row whose proposals did not pay; steps left to skip
+        self._tail_idle, self._tail_wait = 0, 0     # the same for the heads rows' tails
 
     def plan(self, n: int, lengths, rows, mtp_gamma: int, pick, stats: SpecStats, mtp_prior: SpecStats | None,
              ctx: float, measuring: bool) -> StepDrafts:
@@ -90,17 +104,22 @@ class DraftPlanner:
             if not any(ng.match):
                 ng = None
         if ng is None:
-            return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
+            plan = self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
+            if plan.mtp_gamma and not measuring:
+                p_mtp = self._heads_cum(stats, mtp_prior, mtp_gamma)
+                plan = self._add_tails(plan, rows, [True] * n, [mtp_gamma] * n, n + n * sum(p_mtp), p_mtp[-1],
+                                       stats, n, ctx)
+            return plan
         t_choice = time.perf_counter()            # the per-row choice is host work n-gram drafting needs
         g = ng.drafts.shape[1]
         avail = ng.host_len if ng.host_len is not None else ng.draft_len.tolist()
         cum = self._ngram_cum(stats, g)
         p_ng = [rows_p(cum[m], a) for m, a in zip(ng.match, avail)]          # [n][G]
         use_mtp, ng_lens = [False] * n, None
+        cum_mtp = [0.0]
         if mtp is not None and mtp_gamma > 0:     # the policy found the heads pay: rows they beat take them
-            reached = _sum(stats.reached, mtp_prior.reached if mtp_prior else [])
-            accepted = _sum(stats.accepted, mtp_prior.accepted if mtp_prior else [])
-            p_mtp = sum(cumulative(estimate_acceptance(reached, accepted, mtp_gamma)))
+            cum_mtp = self._heads_cum(stats, mtp_prior, mtp_gamma)
+            p_mtp = sum(cum_mtp)
             use_mtp = [takes_heads(r, p_mtp, mtp_gamma) for r in p_ng]
             if self.auto and any(use_mtp):
                 pay, ng_lens = self._heads_pay(p_ng, use_mtp, p_mtp, mtp_gamma, n, ctx)
@@ -141,7 +160,69 @@ class DraftPlanner:
         if any(k < min(a, width) for k, a, u in zip(lens, avail, use_mtp) if not u):   # rows cut short
             drafts = torch.where(pad_mask(lens_t, width), drafts, PAD)
         match_list = [m if not u and k else 0 for m, u, k in zip(ng.match, use_mtp, lens)]
-        return StepDrafts(drafts, lens_t, probs, ~um, ran, um, match_list, looked)
+        plan = StepDrafts(drafts, lens_t, probs, ~um, ran, um, match_list, looked)
+        if ran and self.auto:
+            base = n + sum(use_mtp) * sum(cum_mtp) + kept(p_ng, [0 if u else k for u, k in zip(use_mtp, lens)])
+            plan = self._add_tails(plan, rows, use_mtp, lens, base, cum_mtp[-1], stats, n, ctx)
+        return plan
+
+    def _heads_cum(self, stats: SpecStats, mtp_prior: SpecStats | None, gamma: int) -> list[float]:
+        """The heads' cumulative acceptance P_1..P_gamma, from this call's counts and the prior."""
+        reached = _sum(stats.reached, mtp_prior.reached if mtp_prior else [])
+        accepted = _sum(stats.accepted, mtp_prior.accepted if mtp_prior else [])
+        return cumulative(estimate_acceptance(reached, accepted, gamma))
+
+    def _add_tails(self, plan: StepDrafts, rows, use_mtp: list[bool], lens: list[int], base: float,
+                   p_all: float, stats: SpecStats, n: int, ctx: float) -> StepDrafts:
+        """The heads rows' n-gram tails (module docstring), where they pay: each heads row looks up
+        the continuation of its context and its drafts, a tail draft j is kept with P = p_all
+        (every heads' draft kept) x the n-gram acceptance at its match length, and the step's
+        width W >= its current one maximises expected tokens per second of the whole step
+        (`tail_lengths`; `base`: the step's expected tokens without tails). Needs `auto`, the
+        n-gram source and a cost model; where no tail pays the lookup pauses as `plan`'s does.
+        Example, batch 1, gamma 5, p_all 0.68, a 3-token match kept at 0.6 then 0.5: tail P
+        [0.41, 0.20]; on a step expecting 4.9 tokens the first adds 8%, the second 4%, so each
+        is kept where widening the verify by one token costs less than that share of the step."""
+        ngram, model = self.sources.get("ngram"), self.cost_model()
+        g = plan.mtp_gamma
+        if not self.auto or ngram is None or model is None or self.ngram_cap <= 0 or p_all <= 0:
+            return plan
+        if self._tail_wait > 0:
+            self._tail_wait -= 1
+            return plan
+        t0 = time.perf_counter()
+        heads = plan.drafts[:, :g].tolist()
+        tails, match, _ = ngram.tails([r if u else None for r, u in zip(rows, use_mtp)], heads, self.ngram_cap)
+        p_tail = []
+        if any(match):
+            cum = self._ngram_cum(stats, self.ngram_cap)
+            p_tail = [[p_all * x for x in rows_p(cum[m], len(t))] if m else [] for t, m in zip(tails, match)]
+            width = max(lens) if lens else g
+            costs = width_costs(model, n, ctx, g + self.ngram_cap)       # verify at each width ...
+            step = model.step_s(n, g, ctx) - costs[g]                      # ... plus the rest of a gamma-g step
+            tail = tail_lengths(p_tail, width, g, base, [step + max(c, costs[g]) for c in costs])
+        if not p_tail or not any(tail):            # a tail needs the heads' drafts to match: a few misses
+            self._tail_idle += 1                   # are the drafts', more a source that does not pay here
+            self._tail_wait = min(2 ** max(self._tail_idle - TAIL_MISSES, 0), MAX_WAIT) - 1
+            plan.lookup_s += time.perf_counter() - t0
+            return plan
+        self._tail_idle = 0
+        dev = plan.drafts.device
+        lens = [k + t for k, t in zip(lens, tail)]
+        width = max(lens)
+        drafts = torch.full((n, width), PAD, dtype=torch.long, device=dev)
+        drafts[:, :plan.drafts.shape[1]] = plan.drafts
+        cols = [(i, g + j, tok) for i, (t, k) in enumerate(zip(tails, tail)) for j, tok in enumerate(t[:k])]
+        rows_i, cols_j, toks = zip(*cols)
+        drafts[list(rows_i), list(cols_j)] = torch.tensor(toks, dtype=torch.long, device=dev)
+        um = torch.tensor(use_mtp, device=dev)
+        one_hot = (~um)[:, None] | (torch.arange(width, device=dev) >= g)          # [n, W]: q one-hot
+        probs = plan.probs
+        if probs is not None and probs.shape[1] < width:
+            probs = torch.cat([probs, probs.new_zeros(n, width - probs.shape[1], probs.shape[-1])], dim=1)
+        return StepDrafts(drafts, torch.tensor(lens, device=dev), probs, one_hot, g, um,
+                          plan.match or [0] * n, plan.lookup_s + time.perf_counter() - t0,
+                          tail, [m if t else 0 for m, t in zip(match, tail)])
 
     def _mtp_only(self, n: int, lengths, rows, mtp_gamma: int, pick, looked: float = 0.0) -> StepDrafts:
         """Every row drafts mtp_gamma with the heads (or nobody drafts): the step as before n-grams.

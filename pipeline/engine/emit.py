@@ -29,19 +29,32 @@ def emit_ragged(rows: list, stats: SpecStats, plan, acc_list: list[int], emitted
     lens = plan.draft_len.tolist()
     mtp = plan.use_mtp.tolist() if plan.use_mtp is not None else [False] * n
     match = plan.match or [0] * n
+    tails, tail_match = plan.tail_len or [0] * n, plan.tail_match or [0] * n
+    heads_len = [g - t if m else 0 for g, t, m in zip(lens, tails, mtp)]     # a heads row's own drafts
     groups: dict[str, tuple[list[int], list[int]]] = {}
+    unreached = 0                          # tail drafts verified behind a rejected heads' draft
     for i, row in enumerate(rows):
-        g = lens[i]
+        g, a = lens[i], acc_list[i]
         row.out.num_drafted_tokens += g
-        row.out.num_accepted_tokens += acc_list[i]
+        row.out.num_accepted_tokens += a
         if g and mtp[i]:
             row.drafted_steps += 1
-            row.first_hits += acc_list[i] > 0
-        if g:
+            row.first_hits += a > 0
+        h = heads_len[i] if mtp[i] else g
+        if h:
             lg, la = groups.setdefault("mtp" if mtp[i] else f"ngram:{match[i]}", ([], []))
-            lg.append(g)
-            la.append(acc_list[i])
-        emit(row, emitted_list[i][:acc_list[i] + 1])
-    stats.observe_ragged(lens, acc_list, [i for i in range(n) if mtp[i] and lens[i]])
+            lg.append(h)
+            la.append(min(a, h))
+        if tails[i] and a >= h:            # the tail was reached: its own depths count from 1
+            lg, la = groups.setdefault(f"ngram:{tail_match[i]}", ([], []))
+            lg.append(tails[i])
+            la.append(a - h)
+        elif tails[i]:
+            unreached += tails[i]
+        emit(row, emitted_list[i][:a + 1])
+    heads_rows = [i for i in range(n) if mtp[i] and lens[i]]
+    stats.observe_ragged(lens, acc_list, heads_rows, depth_len=heads_len)
     for key, (lg, la) in groups.items():
         stats.observe_source(key.split(":")[0], lg, la, key)
+    if unreached:
+        stats.count_drafted("ngram", unreached)

@@ -91,7 +91,8 @@ class GenerateRun:
         ngram_cap = 0
         if "ngram" in sources:
             ngram_cap = engine.gamma_max if gamma == "auto" else gamma.max_gamma() if hasattr(gamma, "choose") else int(gamma)
-        self.gamma_cap = max(self.mtp_cap, ngram_cap)
+        # widest verify: n-gram rows to ngram_cap, heads rows to mtp_cap plus an n-gram tail under auto
+        self.gamma_cap = self.mtp_cap + ngram_cap if self.auto and self.mtp_cap else max(self.mtp_cap, ngram_cap)
         batch = min(engine.max_batch_size, len(rows))
         capacity = max(len(r.prompt_ids) + r.max_new for r in rows) + self.gamma_cap + 2
         self.cache = engine.kv_cache("target", cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
@@ -221,7 +222,7 @@ class GenerateRun:
         self.stats.observe_step(step)
         # the cost model's sample: the heads' depth as they ran (the stats keep the policy's gamma)
         sample = step if step.gamma == plan.mtp_gamma else replace(step, gamma=plan.mtp_gamma)
-        self.e.costs.record(sample, refine=self.refine, by_gamma=plan.match is None or not any(plan.match))
+        self.e.costs.record(sample, refine=self.refine, by_gamma=plan.by_gamma)
 
     def _emit(self, row: Row, tokens: list[int]) -> None:
         row.emit(tokens, self.params, self.eos, self.e.tokenizer)

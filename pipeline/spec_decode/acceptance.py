@@ -88,7 +88,8 @@ def rejection_sample_ragged(drafts: torch.Tensor, draft_probs: torch.Tensor | No
 
     drafts: [n, G] (PAD beyond draft_len); draft_probs q: [n, G, V] or None (every row one-hot);
     target_probs p: [n, G + 1, V]; u_accept: [n, G]; u_final: [n, G + 1]; draft_len: [n];
-    one_hot: [n] bool, rows whose drafts are deterministic (their q rows are ignored).
+    one_hot: [n] bool, rows whose drafts are deterministic (their q rows are ignored), or [n, G]
+    bool per draft (a row whose heads' drafts carry q and whose n-gram tail does not).
     Returns (num_accepted [n], emitted [n, G + 1]) as `rejection_sample` does; num_accepted[i]
     <= draft_len[i], and when it equals draft_len[i] the bonus token comes from p.
     Example: one row, draft d=3 with p(3) = 0.25, u_accept = 0.5: rejected (0.5 >= 0.25), and the
@@ -100,22 +101,25 @@ def rejection_sample_ragged(drafts: torch.Tensor, draft_probs: torch.Tensor | No
     p_d = target_probs[:, :g].gather(-1, safe[..., None]).squeeze(-1)         # [n, G]
     if one_hot is None:
         one_hot = torch.full((n,), draft_probs is None, dtype=torch.bool, device=drafts.device)
+    if one_hot.dim() == 1:
+        one_hot = one_hot[:, None].expand(n, g)                               # [n, G] per draft
     if draft_probs is None:
         q_d = torch.ones_like(p_d)
     else:
-        q_d = torch.where(one_hot[:, None], 1.0, draft_probs.gather(-1, safe[..., None]).squeeze(-1))
+        q_d = torch.where(one_hot, 1.0, draft_probs.gather(-1, safe[..., None]).squeeze(-1))
     accept = (u_accept * q_d < p_d) & real
     num_accepted = accepted_prefix(accept)
     rows = torch.arange(n, device=drafts.device)
     p_at = target_probs[rows, num_accepted]                                   # [n, V]
     rejected = num_accepted < draft_len                                       # else: bonus token from p
+    one_hot_at = torch.cat([one_hot, one_hot[:, :1]], dim=1)[rows, num_accepted]   # [n] the rejected draft's
     residual = p_at.clone()
     if draft_probs is not None:
         q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
-        use_q = (rejected & ~one_hot)[:, None]
+        use_q = (rejected & ~one_hot_at)[:, None]
         residual = torch.where(use_q, (p_at - q_pad[rows, num_accepted]).clamp(min=0), residual)
     at = torch.cat([safe, safe[:, :1]], dim=1)[rows, num_accepted]           # [n] draft at the rejection
-    drop = rejected & one_hot
+    drop = rejected & one_hot_at
     residual[rows[drop], at[drop]] = 0.0                                      # p with d removed
     empty = residual.sum(-1, keepdim=True) <= 0       # p == q up to rounding: fall back to p
     residual = torch.where(empty, p_at, residual)

@@ -109,3 +109,18 @@ def padded_lengths(p: list[list[float]], costs: list[float], min_gain: float = 0
         if gp > best_gp:
             best, best_gp = w, gp
     return [min(leading(row), best) for row in p]
+
+
+def tail_lengths(p_tail: list[list[float]], width: int, gamma: int, base: float, costs: list[float]) -> list[int]:
+    """Tail drafts per row after the heads' `gamma` (pipeline.engine.drafting), for a padded
+    verify: the step is `width` wide already (width >= gamma), costs[W] is its seconds at width
+    W, and a row keeps its tail's first W - gamma drafts (P `p_tail[i]`, [] for no tail). W
+    maximises (base + kept tail P) / costs[W]: a tail within the current width is free.
+    Example: gamma 2, width 2, base 3.0, p_tail [[0.5, 0.4, 0.1]], costs [.., 1.0 (W=2), 1.05,
+    1.1, 1.4]: W=3: 3.5 / 1.05 = 3.33, W=4: 3.9 / 1.1 = 3.55, W=5: 4.0 / 1.4: lengths [2]."""
+    best_w, best = width, (base + sum(sum(t[:width - gamma]) for t in p_tail)) / costs[width]
+    for w in range(width + 1, len(costs)):
+        gp = (base + sum(sum(t[:w - gamma]) for t in p_tail)) / costs[w]
+        if gp > best:
+            best_w, best = w, gp
+    return [min(leading(t), best_w - gamma) for t in p_tail]

@@ -68,12 +68,16 @@ class SpecStats:
         self.row_steps += len(num_accepted)
         self.emitted_tokens += sum(num_accepted) + len(num_accepted)
 
-    def observe_ragged(self, draft_len: list[int], num_accepted: list[int], depth_rows=None) -> None:
+    def observe_ragged(self, draft_len: list[int], num_accepted: list[int], depth_rows=None,
+                       depth_len: list[int] | None = None) -> None:
         """One verify step whose rows carry their own draft counts. The per-depth counters (the
-        MTP policy's evidence) count only `depth_rows` (indices; default all rows); every row
-        counts towards row steps and emitted tokens."""
+        MTP policy's evidence) count only `depth_rows` (indices; default all rows), each up to its
+        `depth_len` (default its draft_len: a heads row's n-gram tail is not the heads'); every
+        row counts towards row steps and emitted tokens."""
         rows = range(len(draft_len)) if depth_rows is None else depth_rows
-        add_ragged_counts(self.reached, self.accepted, [draft_len[i] for i in rows], [num_accepted[i] for i in rows])
+        depth_len = draft_len if depth_len is None else depth_len
+        add_ragged_counts(self.reached, self.accepted, [depth_len[i] for i in rows],
+                          [min(num_accepted[i], depth_len[i]) for i in rows])
         self.row_steps += len(num_accepted)
         self.emitted_tokens += sum(num_accepted) + len(num_accepted)
 
@@ -87,6 +91,12 @@ class SpecStats:
         reached = self.source_reached.setdefault(key, [])
         accepted = self.source_accepted.setdefault(key, [])
         add_ragged_counts(reached, accepted, draft_len, num_accepted)
+
+    def count_drafted(self, source: str, drafts: int) -> None:
+        """Drafts verified that no row reached (a tail behind a rejected heads' draft): they
+        count as drafted, and are no evidence of their source's acceptance."""
+        self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafts
+        self.accepted_by_source.setdefault(source, 0)
 
     def observe_step(self, record: StepRecord) -> None:
         self.steps.append(record)

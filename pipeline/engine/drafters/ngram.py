@@ -42,14 +42,21 @@ class RowIndex:
                 ends[tuple(seq[e - m:e])] = e
         self.done = max(self.done, last)
 
-    def match(self, task: TaskIndex | None, k: int) -> tuple[list[int], int]:
-        """(draft tokens, match length): own 3-gram, task 3-gram, own 2-gram, task 2-gram, own 1-gram."""
-        seq, n = self.seq, len(self.seq)
+    def match(self, task: TaskIndex | None, k: int, after: list[int] = ()) -> tuple[list[int], int]:
+        """(draft tokens, match length): own 3-gram, task 3-gram, own 2-gram, task 2-gram, own 1-gram.
+        `after`: tokens taken as following the row's (the heads' drafts, for a tail), matched on
+        but not indexed; a match that ends near the row's end continues into them.
+        Example: row [5, 6, 7, 8, 9], after [5, 6]: the 2-gram (5, 6) ends at 2: [7, 8, 9, 5, 6][:k]."""
+        seq = self.seq
+        if after:
+            seq = seq[-MAX_ORDER:] + list(after)         # the key's tokens; continuations read both
+        n = len(self.seq) + len(after)
         for m in range(min(MAX_ORDER, n), 0, -1):
-            key = tuple(seq[n - m:])
+            key = tuple(seq[len(seq) - m:])
             e = self.ends.get(key)
             if e is not None:
-                return seq[e:e + k], m
+                got = self.seq[e:e + k]
+                return got + list(after[:k - len(got)]) if after else got, m
             if task is not None and m in task.orders:
                 got = task.lookup(key, k)
                 if got:
@@ -105,6 +112,28 @@ class NgramSource:
                 row.tokens.append(rng.randrange(PROBE_VOCAB))
             return self.propose(req)
         return run
+
+    def tails(self, rows: list, heads: list[list[int]], k: int) -> tuple[list[list[int]], list[int], float]:
+        """For rows that drafted `heads` tokens with the MTP heads: the n-gram continuation after
+        them (at most k, within the row's budget), its match length, and the host seconds taken.
+        A row's entry in `rows` may be None (no tail). Example: heads [[7, 8]] on a row whose
+        own text holds 7 8 9 10 earlier: tail [9, 10], match 2."""
+        t0 = time.perf_counter()
+        out, match = [[] for _ in rows], [0] * len(rows)
+        for i, (row, after) in enumerate(zip(rows, heads)):
+            if row is None:
+                continue
+            left = min(k, row.max_new - len(row.tokens) - 1 - len(after))
+            if left <= 0:
+                continue
+            idx = self.rows.get(row.index)
+            if idx is None:
+                idx = self.rows[row.index] = RowIndex(row.prompt_ids)
+            idx.extend(row.tokens, len(row.prompt_ids))
+            out[i], match[i] = idx.match(self.task, left, after)
+            if not out[i]:
+                match[i] = 0
+        return out, match, time.perf_counter() - t0
 
     def after_prefill(self, slots, hidden, ids, lens, first) -> None:
         pass
