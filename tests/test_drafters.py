@@ -111,7 +111,7 @@ def test_a_tail_is_looked_up_after_the_heads_drafts_and_within_the_budget():
     assert idx.match(None, 5, [5, 6]) == ([7, 8, 9, 5, 6], 2)            # its docstring's example
     rows = [Row(0, [1, 7, 8, 9, 10, 2], 64, None, tokens=[3]), Row(1, [1, 7, 8, 9, 10, 2], 5, None, tokens=[3]),
             None]
-    tails, match, _ = NgramSource(None, "cpu").tails(rows, [[7, 8], [7, 8], [7, 8]], 3)
+    tails, match = NgramSource(None, "cpu").tails(rows, [[7, 8], [7, 8], [7, 8]], 3)
     assert tails == [[9, 10, 2], [9], []] and match == [2, 2, 0]        # row 1: 5 - 1 token - 1 - 2 drafts
 
 
@@ -478,3 +478,18 @@ def test_a_rows_remainder_is_read_from_the_rows_that_ran_longer():
     assert expected_left(lengths, 64, 100) == 1          # longer than every recent row
     assert expected_left([], 3, 17) == 17                # nothing finished yet: its budget
     assert expected_left([8, 8, 9], 1, 19) == 7
+
+
+def test_a_lookup_pauses_after_its_grace_of_misses_and_a_hit_ends_the_pause():
+    from pipeline.engine.drafting import Backoff
+    pause = Backoff(grace=3)
+    for _ in range(3):                    # the tails' grace: three misses pause nothing
+        pause.miss()
+        assert not pause.skip()
+    pause.miss()                          # the 4th: one step skipped
+    assert pause.skip() and not pause.skip()
+    pause.miss()
+    assert [pause.skip() for _ in range(4)] == [True, True, True, False]
+    pause.hit()
+    pause.miss()                          # counted afresh: three more misses before a pause
+    assert not pause.skip()

@@ -8,6 +8,8 @@ from pipeline.spec_decode.stats import SpecStats, add_ragged_counts
 from tests.stats_util import chi_square_pvalue
 
 V = 5
+P1 = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])       # the target's p at a row's first and second positions
+P2 = torch.tensor([0.3, 0.3, 0.1, 0.2, 0.1])
 
 
 def _draws(n, g, gen):
@@ -27,8 +29,7 @@ def test_one_hot_rows_sample_the_target_exactly():
     """q one-hot at d: accept with p(d), else p with d removed; the emitted tokens follow p."""
     gen = torch.Generator().manual_seed(0)
     n = 40000
-    p1 = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])
-    p2 = torch.tensor([0.3, 0.3, 0.1, 0.2, 0.1])
+    p1, p2 = P1, P2
     p3 = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
     target = torch.stack([p1, p2, p3])[None].expand(n, 3, V)
     drafts = torch.tensor([[2, 4]]).expand(n, 2)
@@ -102,8 +103,7 @@ def test_a_heads_draft_then_a_one_hot_tail_in_one_row_samples_the_target_exactly
     p2(d) once the first draft was."""
     gen = torch.Generator().manual_seed(2)
     n = 40000
-    p1 = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])
-    p2 = torch.tensor([0.3, 0.3, 0.1, 0.2, 0.1])
+    p1, p2 = P1, P2
     q = torch.tensor([0.4, 0.1, 0.1, 0.2, 0.2])
     target = torch.stack([p1, p2, p2])[None].expand(n, 3, V)
     first = torch.multinomial(q, n, replacement=True, generator=gen)

@@ -28,7 +28,6 @@ from pipeline.spec_decode.stats import SpecStats, _add_list_maps
 
 MIN_GAIN = 0.05       # per-row drafts must predict this much over plain decoding (as GoodputPolicy.min_gain)
 MAX_WAIT = 16         # where no n-gram draft pays, the lookup pauses 1, 3, 7, 15 steps (at most this - 1)
-                      # (likewise the tails' lookup)
 TAIL_MISSES = 3       # tails looked up without one kept, in a row, before their lookup pauses
 TABLE_STEPS = 16      # steps between re-estimates of the n-gram acceptance table
 GATHER_COST = 2.0     # a packed verify token costs about this many padded ones (cache gathers; measured on CPU)
@@ -76,6 +75,29 @@ def token_cost(costs: list[float], first_s: float, rows: int) -> float:
     return max(costs[width] - costs[0] - first_s, 0.0) / (rows * width)
 
 
+class Backoff:
+    """Steps to skip a lookup whose drafts did not pay: after `grace` misses in a row it pauses
+    1, 3, 7, 15 steps (at most MAX_WAIT - 1), and a hit ends the pause.
+    Example, grace 0: miss, miss -> the next 1, then 3 steps skip; a hit -> none skip."""
+
+    def __init__(self, grace: int = 0):
+        self.grace, self.idle, self.wait = grace, 0, 0
+
+    def skip(self) -> bool:
+        """This step skips the lookup (and counts down the pause)."""
+        if self.wait > 0:
+            self.wait -= 1
+            return True
+        return False
+
+    def miss(self) -> None:
+        self.idle += 1
+        self.wait = min(2 ** max(self.idle - self.grace, 0), MAX_WAIT) - 1
+
+    def hit(self) -> None:
+        self.idle = 0
+
+
 class DraftPlanner:
     def __init__(self, sources, auto: bool, ngram_cap: int, evidence: SpecStats, cost_model, params,
                  layout: str = "auto"):
@@ -85,8 +107,8 @@ class DraftPlanner:
         self.evidence, self.cost_model, self.params = evidence, cost_model, params
         self.layout = layout              # the verify layout (pipeline.engine.verify): what to price
         self._table, self._asked = None, 0
-        self._idle, self._wait = 0, 0     # steps in a row whose proposals did not pay; steps left to skip
-        self._tail_idle, self._tail_wait = 0, 0     # the same for the heads rows' tails
+        self._pause = Backoff()                      # the per-row lookup, where no n-gram draft pays
+        self._tail_pause = Backoff(TAIL_MISSES)      # the heads rows' tails, likewise
 
     def plan(self, n: int, lengths, rows, mtp_gamma: int, pick, stats: SpecStats, mtp_prior: SpecStats | None,
              ctx: float, measuring: bool) -> StepDrafts:
@@ -96,9 +118,7 @@ class DraftPlanner:
         dev = lengths.device
         mtp, ngram = self.sources.get("mtp"), self.sources.get("ngram")
         ng, looked = None, 0.0
-        if self._wait > 0:
-            self._wait -= 1
-        elif ngram is not None and self.ngram_cap > 0 and not measuring:
+        if not self._pause.skip() and ngram is not None and self.ngram_cap > 0 and not measuring:
             ng = ngram.propose(DraftRequest(n, lengths, self.ngram_cap, pick, rows))
             looked = ng.seconds
             if not any(ng.match):
@@ -131,10 +151,9 @@ class DraftPlanner:
         lens = [mtp_gamma if u else k for u, k in zip(use_mtp, ng_lens)]
         looked += time.perf_counter() - t_choice
         if any(k for k, u in zip(lens, use_mtp) if not u):
-            self._idle = 0
+            self._pause.hit()
         else:                             # no n-gram draft kept: look again after a growing pause
-            self._idle += 1
-            self._wait = min(2 ** self._idle, MAX_WAIT) - 1
+            self._pause.miss()
             if not any(lens):
                 return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
         width = max(lens)
@@ -187,26 +206,24 @@ class DraftPlanner:
         g = plan.mtp_gamma
         if not self.auto or ngram is None or model is None or self.ngram_cap <= 0 or p_all <= 0:
             return plan
-        if self._tail_wait > 0:
-            self._tail_wait -= 1
+        if self._tail_pause.skip():
             return plan
         t0 = time.perf_counter()
         heads = plan.drafts[:, :g].tolist()
-        tails, match, _ = ngram.tails([r if u else None for r, u in zip(rows, use_mtp)], heads, self.ngram_cap)
+        tails, match = ngram.tails([r if u else None for r, u in zip(rows, use_mtp)], heads, self.ngram_cap)
         p_tail = []
         if any(match):
             cum = self._ngram_cum(stats, self.ngram_cap)
             p_tail = [[p_all * x for x in rows_p(cum[m], len(t))] if m else [] for t, m in zip(tails, match)]
-            width = max(lens) if lens else g
+            width = max(lens)
             costs = width_costs(model, n, ctx, g + self.ngram_cap)       # verify at each width ...
             step = model.step_s(n, g, ctx) - costs[g]                      # ... plus the rest of a gamma-g step
             tail = tail_lengths(p_tail, width, g, base, [step + max(c, costs[g]) for c in costs])
         if not p_tail or not any(tail):            # a tail needs the heads' drafts to match: a few misses
-            self._tail_idle += 1                   # are the drafts', more a source that does not pay here
-            self._tail_wait = min(2 ** max(self._tail_idle - TAIL_MISSES, 0), MAX_WAIT) - 1
+            self._tail_pause.miss()                # are the drafts', more a source that does not pay here
             plan.lookup_s += time.perf_counter() - t0
             return plan
-        self._tail_idle = 0
+        self._tail_pause.hit()
         dev = plan.drafts.device
         lens = [k + t for k, t in zip(lens, tail)]
         width = max(lens)

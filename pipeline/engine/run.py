@@ -9,7 +9,7 @@ length; rejected drafts are rolled back by not advancing its length.
 from __future__ import annotations
 
 import bisect
-import math
+import statistics
 import time
 from collections import deque
 from dataclasses import replace
@@ -67,12 +67,10 @@ def expected_left(ascending: list, have: int, left: int) -> float:
     34 (the plain median less what it has would say 10, and 1 past 40)."""
     if not ascending:
         return max(left, 1)
-    first = bisect.bisect_right(ascending, have)
-    if first == len(ascending):
+    longer = ascending[bisect.bisect_right(ascending, have):]
+    if not longer:
         return 1
-    mid = (first + len(ascending) - 1) / 2          # the median of ascending[first:]
-    median = (ascending[math.floor(mid)] + ascending[math.ceil(mid)]) / 2
-    return max(min(left, median - have), 1)
+    return max(min(left, statistics.median(longer) - have), 1)
 
 
 class GenerateRun:

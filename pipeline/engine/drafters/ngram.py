@@ -83,10 +83,7 @@ class NgramSource:
         for i, row in enumerate(req.rows):
             if row is None:
                 continue
-            idx = self.rows.get(row.index)
-            if idx is None:
-                idx = self.rows[row.index] = RowIndex(row.prompt_ids)
-            idx.extend(row.tokens, len(row.prompt_ids))
+            idx = self._index(row)
             left = row.max_new - len(row.tokens) - 1     # drafts past its budget would never be emitted
             if left <= 0:
                 continue
@@ -113,12 +110,19 @@ class NgramSource:
             return self.propose(req)
         return run
 
-    def tails(self, rows: list, heads: list[list[int]], k: int) -> tuple[list[list[int]], list[int], float]:
+    def _index(self, row: Row) -> RowIndex:
+        """The row's index, brought up to its newest token."""
+        idx = self.rows.get(row.index)
+        if idx is None:
+            idx = self.rows[row.index] = RowIndex(row.prompt_ids)
+        idx.extend(row.tokens, len(row.prompt_ids))
+        return idx
+
+    def tails(self, rows: list, heads: list[list[int]], k: int) -> tuple[list[list[int]], list[int]]:
         """For rows that drafted `heads` tokens with the MTP heads: the n-gram continuation after
-        them (at most k, within the row's budget), its match length, and the host seconds taken.
-        A row's entry in `rows` may be None (no tail). Example: heads [[7, 8]] on a row whose
-        own text holds 7 8 9 10 earlier: tail [9, 10], match 2."""
-        t0 = time.perf_counter()
+        them (at most k, within the row's budget) and its match length. A row's entry in `rows`
+        may be None (no tail). The caller times it with its choice. Example: heads [[7, 8]] on a
+        row whose own text holds 7 8 9 10 earlier: tail [9, 10], match 2."""
         out, match = [[] for _ in rows], [0] * len(rows)
         for i, (row, after) in enumerate(zip(rows, heads)):
             if row is None:
@@ -126,14 +130,10 @@ class NgramSource:
             left = min(k, row.max_new - len(row.tokens) - 1 - len(after))
             if left <= 0:
                 continue
-            idx = self.rows.get(row.index)
-            if idx is None:
-                idx = self.rows[row.index] = RowIndex(row.prompt_ids)
-            idx.extend(row.tokens, len(row.prompt_ids))
-            out[i], match[i] = idx.match(self.task, left, after)
+            out[i], match[i] = self._index(row).match(self.task, left, after)
             if not out[i]:
                 match[i] = 0
-        return out, match, time.perf_counter() - t0
+        return out, match
 
     def after_prefill(self, slots, hidden, ids, lens, first) -> None:
         pass
