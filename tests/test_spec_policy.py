@@ -178,6 +178,22 @@ def test_policy_reuses_a_decision_only_while_rows_model_and_context_stay():
     assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0
 
 
+def test_policy_keeps_a_decision_per_shape_when_shapes_alternate():
+    # rows switching sources make steps with and without a waiting heads' fill alternate: each
+    # shape reuses its own decision rather than deciding afresh at every switch
+    prior = SpecStats()
+    prior.reached, prior.accepted = [1000] * GMAX, [800] * GMAX
+    policy = GoodputPolicy(GMAX, lambda: ROOFLINE, prior, recheck_steps=8, recheck_plain_steps=32)
+    decided = []
+    real = policy._decide
+    policy._decide = lambda ctx, m: decided.append(ctx.waiting_fill_s) or real(ctx, m)
+    for i in range(20):
+        policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats(), waiting_fill_s=1e-3 * (i % 2)))
+    assert policy.decisions[0].gamma > 0
+    assert decided == [0.0, 1e-3, 0.0, 1e-3]                   # each shape at its steps 1 and 9
+    assert len({id(d) for d in policy.decisions}) == 4
+
+
 def test_real_steps_correct_the_model_locally_and_flip_a_mispriced_choice():
     # the smooth model says plain decoding at one row costs 3 ms; the engine measures 1.5 ms there
     truth = CostModel((1e-3, 1e-5, 0.0, 0.0), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0, multi_token_s=2e-4)
