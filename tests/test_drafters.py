@@ -290,32 +290,40 @@ def test_a_deferred_prompt_fill_is_prefill_work_not_a_steps_drafting(root, monke
     assert st.prefill_time_s >= 3 * 0.2
 
 
-def test_a_backlog_follows_its_rows_and_keeps_the_newest_tokens_when_full():
+@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("slice_rows", [0, 4])
+def test_a_backlog_follows_its_rows_and_keeps_the_newest_tokens_when_full(monkeypatch, host, slice_rows):
     """Gamma-0 steps' tokens per slot: appended step by step, moved and dropped with their rows,
     taken as one fill; a row that would exceed the size starts over from its newest step (the
-    older tokens become a masked gap: `add` says which rows)."""
+    older tokens become a masked gap: `add` says which rows). The same with and without the
+    fill's host mirrors, by index tensors and by per-row copies."""
+    from pipeline.engine import drafter as drafter_module
     from pipeline.engine.drafter import Backlog, PendingFill
+    monkeypatch.setattr(drafter_module, "SLICE_ROWS", slice_rows)
 
     def step(rows, start, count, tok):
         n = len(rows)
         return PendingFill(torch.tensor(rows), torch.tensor(start), torch.full((n, 2, 1), float(tok)),
-                           torch.full((n, 2), tok), torch.tensor(count))
+                           torch.full((n, 2), tok), torch.tensor(count),
+                           slots=list(rows) if host else None, counts=list(count) if host else None)
 
     b = Backlog(batch_size=4, size=3, device="cpu")
     assert not b and b.take() is None
-    assert not b.add(step([1, 2], [10, 20], [1, 1], 5)).any()
-    assert not b.add(step([1, 2], [11, 21], [1, 2], 6)).any()
+    assert b.add(step([1, 2], [10, 20], [1, 1], 5)) == []
+    assert b.add(step([1, 2], [11, 21], [1, 2], 6)) == []
     assert b.tokens == {1: 2, 2: 3}
     b.move(2, 0)
     b.drop([1])
     fill = b.take()
     assert fill.rows.tolist() == [0] and fill.start.tolist() == [20] and fill.count.tolist() == [3]
     assert fill.next_ids.tolist() == [[5, 6, 6]] and fill.hidden[0, :, 0].tolist() == [5.0, 6.0, 6.0]
+    assert fill.slots == [0] and fill.counts == [3]
     assert not b
-    b.add(step([3], [30], [2], 7))
-    assert b.add(step([3], [32], [2], 8)).tolist() == [True]          # 4 > 3: the newest step alone
+    b.add(step([3, 1], [30, 40], [2, 1], 7))
+    assert b.add(step([3, 1], [32, 41], [2, 2], 8)) == [0]          # row 0 (slot 3): 4 > 3, its newest step alone
     fill = b.take()
-    assert fill.start.tolist() == [32] and fill.count.tolist() == [2] and fill.next_ids.tolist() == [[8, 8]]
+    assert fill.rows.tolist() == [1, 3] and fill.start.tolist() == [40, 32] and fill.count.tolist() == [3, 2]
+    assert [r[:c] for r, c in zip(fill.next_ids.tolist(), fill.counts)] == [[7, 8, 8], [8, 8]]
 
 
 def test_waiting_prompt_fills_follow_their_rows_as_they_move_and_finish():

@@ -41,10 +41,26 @@ class PendingFill:
     next_ids: torch.Tensor    # [r, w] the token after each position
     count: torch.Tensor       # [r] valid entries (the rest is padding)
     from_zero: bool = False   # a prompt: every row starts at position 0
+    slots: list[int] | None = None    # `rows` on the host, where the caller has them (no device read) ...
+    counts: list[int] | None = None   # ... and `count`
 
     def select(self, keep: torch.Tensor) -> "PendingFill":
         return PendingFill(self.rows[keep], self.start[keep], self.hidden[keep], self.next_ids[keep],
                            self.count[keep], self.from_zero)
+
+    def without(self, slots: set[int]) -> "PendingFill":
+        """The fill less the rows in `slots` (host mirrors kept where it has them)."""
+        if self.slots is None or self.counts is None:
+            return self.select(~torch.isin(self.rows, torch.tensor(sorted(slots), device=self.rows.device)))
+        keep = [i for i, s in enumerate(self.slots) if s not in slots]
+        out = self.select(torch.tensor(keep, dtype=torch.long, device=self.rows.device))
+        out.slots, out.counts = [self.slots[i] for i in keep], [self.counts[i] for i in keep]
+        return out
+
+    def move(self, src: int, dst: int) -> None:
+        self.rows[self.rows == src] = dst
+        if self.slots is not None:
+            self.slots = [dst if s == src else s for s in self.slots]
 
 
 class PendingPrompts:
@@ -98,14 +114,16 @@ class PendingPrompts:
 
 
 BACKLOG_TOKENS = 16     # a row's gamma-0 tokens kept for its heads' next fill; older ones are a gap
+SLICE_ROWS = 4          # a backlog append of at most this many rows copies each row's slice
 
 
 class Backlog:
     """Per slot, the tokens its heads skipped (gamma-0 steps) with their target hidden states,
     run through the heads before the row's next draft (module docstring). Buffers are made at
-    the first skip; counts are mirrored on the host (`tokens`: the policy prices the catch-up).
-    A row that would hold more than `size` starts over from its newest step: the tokens before
-    are a masked gap (`add` returns which rows).
+    the first skip; counts live on the host (`tokens`: the policy prices the catch-up, and a
+    step's fill with host counts is appended without reading the device). A row that would hold
+    more than `size` starts over from its newest step: the tokens before are a masked gap (`add`
+    returns which rows).
     Example: slot 2 skips positions 40, 41, 42: `take` gives one fill of rows [2], start [40],
     count [3]."""
 
@@ -114,56 +132,77 @@ class Backlog:
         self.hidden: torch.Tensor | None = None        # [B, size, H]
         self.ids: torch.Tensor | None = None           # [B, size] the token after each position
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.count = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.tokens: dict[int, int] = {}               # slot -> tokens held
 
     def __bool__(self) -> bool:
         return bool(self.tokens)
 
-    def add(self, p: PendingFill) -> torch.Tensor:
-        """Append a step's accepted tokens per row; returns [r] bool: rows whose older tokens
-        were dropped (their heads' cache has a gap before these)."""
+    def add(self, p: PendingFill) -> list[int]:
+        """Append a step's accepted tokens per row; returns the rows (indices into `p`) whose
+        older tokens were dropped (their heads' cache has a gap before these)."""
         r, w = p.next_ids.shape
         if self.hidden is None:
             self.hidden = p.hidden.new_zeros(self.batch_size, self.size, p.hidden.shape[-1])
             self.ids = p.next_ids.new_zeros(self.batch_size, self.size)
-        old = self.count[p.rows]
-        over = old + p.count > self.size
-        old = torch.where(over, 0, old)
-        skip = (p.count - self.size).clamp(min=0)                             # a step longer than the size
-        steps = torch.arange(w, device=p.rows.device)
-        keep = (steps >= skip[:, None]) & (steps < p.count[:, None])          # [r, w]
-        rows = p.rows[:, None].expand(r, w)[keep]
-        cols = (old[:, None] + steps - skip[:, None])[keep]
-        self.hidden[rows, cols] = p.hidden[keep]
-        self.ids[rows, cols] = p.next_ids[keep]
-        self.start[p.rows] = torch.where(old == 0, p.start + skip, self.start[p.rows])
-        self.count[p.rows] = old + p.count - skip
-        for slot, n in zip(p.rows.tolist(), self.count[p.rows].tolist()):
-            self.tokens[slot] = n
+        slots = p.slots if p.slots is not None else p.rows.tolist()
+        counts = p.counts if p.counts is not None else p.count.tolist()
+        over, fresh, skips = [], [], []          # fresh: rows starting a backlog (their start is set)
+        moves = []                               # (row in p, slot, from column in p, to column, tokens)
+        for i, (slot, c) in enumerate(zip(slots, counts)):
+            old = self.tokens.get(slot, 0)
+            if old + c > self.size:
+                over.append(i)
+                old = 0
+            skip = max(c - self.size, 0)         # a step longer than the size keeps its newest
+            if old == 0:
+                fresh.append(i)
+                skips.append(skip)
+            if c > skip:
+                moves.append((i, slot, skip, old, c - skip))
+            self.tokens[slot] = old + c - skip
+        if len(moves) <= SLICE_ROWS:             # a few rows: a copy each (no index tensors to build)
+            for i, slot, src, dst, k in moves:
+                self.hidden[slot, dst:dst + k] = p.hidden[i, src:src + k]
+                self.ids[slot, dst:dst + k] = p.next_ids[i, src:src + k]
+        else:
+            pr, pc, br, bc = [], [], [], []
+            for i, slot, src, dst, k in moves:
+                pr += [i] * k
+                pc += range(src, src + k)
+                br += [slot] * k
+                bc += range(dst, dst + k)
+            idx = torch.tensor([pr, pc, br, bc], device=p.rows.device)
+            self.hidden[idx[2], idx[3]] = p.hidden[idx[0], idx[1]]
+            self.ids[idx[2], idx[3]] = p.next_ids[idx[0], idx[1]]
+        if fresh:
+            if len(fresh) == r and not any(skips):
+                self.start[p.rows] = p.start
+            else:
+                f = torch.tensor(fresh, device=p.rows.device)
+                self.start[p.rows[f]] = p.start[f] + torch.tensor(skips, device=p.rows.device)
         return over
 
     def drop(self, slots: list[int]) -> None:
         for s in slots:
-            if self.tokens.pop(s, None) is not None:
-                self.count[s] = 0
+            self.tokens.pop(s, None)
 
     def move(self, src: int, dst: int) -> None:
         n = self.tokens.pop(src, None)
         if n is not None:
             self.hidden[dst], self.ids[dst] = self.hidden[src], self.ids[src]
-            self.start[dst], self.count[dst], self.count[src] = self.start[src], self.count[src], 0
+            self.start[dst] = self.start[src]
             self.tokens[dst] = n
 
     def take(self) -> PendingFill | None:
         """Every held row's tokens as one fill (padded to the longest); none held after."""
         if not self.tokens:
             return None
-        rows = torch.tensor(sorted(self.tokens), device=self.device)
-        width = max(self.tokens.values())
+        slots = sorted(self.tokens)
+        counts = [self.tokens[s] for s in slots]
+        rows = torch.tensor(slots, device=self.device)
+        width = max(counts)
         fill = PendingFill(rows, self.start[rows], self.hidden[rows, :width], self.ids[rows, :width],
-                           self.count[rows])
-        self.count[rows] = 0
+                           torch.tensor(counts, device=self.device), slots=slots, counts=counts)
         self.tokens = {}
         return fill
 
@@ -209,14 +248,15 @@ class Drafter:
         self.carry_ok[dst] = self.carry_ok[src]
         self.gap[dst] = self.gap[src]
         for p in self.pending:
-            p.rows[p.rows == src] = dst
+            p.move(src, dst)
         self.prompts.move(src, dst)
         self.backlog.move(src, dst)
 
     def drop_rows(self, rows: torch.Tensor) -> None:
-        self.pending = [p.select(~torch.isin(p.rows, rows)) for p in self.pending]
+        slots = rows.tolist()                      # rows finish once each: a device read is fine here
+        gone = set(slots)
+        self.pending = [p.without(gone) for p in self.pending]
         if self.prompts or self.backlog:
-            slots = rows.tolist()
             self.prompts.drop(slots)
             self.backlog.drop(slots)
 
@@ -234,9 +274,10 @@ class Drafter:
         for p in self.pending:
             if p.rows.numel():
                 over = self.backlog.add(p)
-                if bool(over.any()):
-                    self.carry_ok[p.rows[over]] = False
-                    self.gap[p.rows[over]] = True
+                if over:
+                    lost = p.rows[torch.tensor(over, device=p.rows.device)]
+                    self.carry_ok[lost] = False
+                    self.gap[lost] = True
         self.pending = []
 
     # ---- drafting ----------------------------------------------------------------------------

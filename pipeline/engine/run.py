@@ -205,7 +205,7 @@ class GenerateRun:
         t2 = time.perf_counter()
         if s.drafter is not None:
             for source in s.drafter:
-                source.after_verify(n, lengths, hidden, emitted, num_acc)
+                source.after_verify(n, lengths, hidden, emitted, num_acc, acc_list)
         s.advance(n, num_acc, emitted)
         if uniform:
             emit_uniform(s.rows[:n], self.stats, width, acc_list, emitted_list, self._emit)

@@ -61,13 +61,14 @@ class MTPSource:
         self.drafter.add_prompt(PendingFill(slots, torch.zeros_like(lens), hidden, next_ids, lens, from_zero=True),
                                 slots.tolist(), lens.tolist())
 
-    def after_verify(self, n, lengths, hidden, emitted, num_accepted) -> None:
+    def after_verify(self, n, lengths, hidden, emitted, num_accepted, accepted) -> None:
         """The step's accepted tokens wait for the heads' fill, cut to the most any row accepted:
         positions past that are masked anyway, and a padded verify of 8-wide n-gram drafts whose
-        rows kept at most 3 would otherwise be filled 9 wide."""
-        w = int(num_accepted.max()) + 1 if n else 0
+        rows kept at most 3 would otherwise be filled 9 wide. `accepted`: num_accepted on the host."""
+        w = max(accepted) + 1 if n else 0
         self.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
-                                             hidden[:, :w], emitted[:, :w], num_accepted + 1))
+                                             hidden[:, :w], emitted[:, :w], num_accepted + 1,
+                                             slots=list(range(n)), counts=[a + 1 for a in accepted]))
 
     def skip(self) -> None:
         self.drafter.discard_pending()

@@ -138,7 +138,7 @@ class NgramSource:
     def after_prefill(self, slots, hidden, ids, lens, first) -> None:
         pass
 
-    def after_verify(self, n, lengths, hidden, emitted, num_accepted) -> None:
+    def after_verify(self, n, lengths, hidden, emitted, num_accepted, accepted) -> None:
         pass
 
     def skip(self) -> None:
