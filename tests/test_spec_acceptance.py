@@ -5,7 +5,7 @@ import torch
 
 from pipeline.spec_decode import rng
 from pipeline.spec_decode.acceptance import accepted_prefix, greedy_accept, rejection_sample
-from pipeline.spec_decode.sampling import filtered_probs, sample
+from pipeline.spec_decode.sampling import argmax_last, filtered_probs, sample
 from pipeline.spec_decode.stats import SpecStats
 from tests.stats_util import chi_square_pvalue
 
@@ -32,6 +32,28 @@ def test_greedy_accept_ragged_rows():
 def test_greedy_accept_gamma_zero():
     num, emitted = greedy_accept(torch.zeros(2, 0, dtype=torch.long), one_hot_logits(torch.tensor([[3], [4]]), 6))
     assert num.tolist() == [0, 0] and emitted[:, 0].tolist() == [3, 4]
+
+
+def test_argmax_last_is_torch_argmax_with_ties_and_a_short_last_block(monkeypatch):
+    """The two-pass argmax returns torch.argmax's index (the first largest) in every block
+    layout: ties within a block, across blocks, in the short last block, and at its last value."""
+    import pipeline.spec_decode.sampling as sampling
+    monkeypatch.setattr(sampling, "BLOCKED_ARGMAX_MIN", 0)
+    monkeypatch.setattr(sampling, "ARGMAX_BLOCK", 4)
+    assert argmax_last(torch.tensor([[1.0, 5, 5, 2, 0, 5, 1, 1, 1]])).tolist() == [1]
+    gen = torch.Generator().manual_seed(0)
+    for v in (8, 9, 11, 23):
+        x = torch.randint(0, 4, (3, 5, v), generator=gen).float()       # many ties
+        assert torch.equal(argmax_last(x), x.argmax(-1)), v
+        x[..., -1] = 9.0                                                 # the largest at the very end
+        assert torch.equal(argmax_last(x), x.argmax(-1)), v
+    blocked = []
+    monkeypatch.setattr(sampling, "BLOCKED_ARGMAX_MIN", 100)             # small inputs: torch.argmax itself
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **k: blocked.append(1) or torch.amax(self, *a, **k))
+    x = torch.randn(2, 40)
+    assert torch.equal(argmax_last(x), x.argmax(-1)) and not blocked
+    x = torch.randn(3, 40)
+    assert torch.equal(argmax_last(x), x.argmax(-1)) and blocked
 
 
 def test_filtered_probs_examples():

@@ -21,6 +21,7 @@ import torch
 
 from pipeline.bench.repeat import run_order
 from pipeline.model.cache import Batch, KVCache
+from pipeline.spec_decode.sampling import argmax_last
 
 
 @dataclass
@@ -110,7 +111,7 @@ def _verify_fn(engine, cache, rows: int, ctx: int, q: int, gen):
 
     def step():
         hidden = engine.target(tokens, Batch.make(positions), cache)
-        return engine.target.logits(hidden).argmax(-1)
+        return argmax_last(engine.target.logits(hidden))
     return step
 
 

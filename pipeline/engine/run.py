@@ -30,7 +30,7 @@ from pipeline.model.cache import Batch
 from pipeline.spec_decode import rng
 from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample, rejection_sample_ragged
 from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext
-from pipeline.spec_decode.sampling import filtered_probs, sample
+from pipeline.spec_decode.sampling import argmax_last, filtered_probs, sample
 from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
 
 if TYPE_CHECKING:
@@ -278,11 +278,11 @@ class GenerateRun:
     # ---- sampling ------------------------------------------------------------------------------
     # Coupled (pipeline/engine/coupled.py): the target and the drafts pick with the same keyed
     # noise per position, a draft is kept when it equals the target's token. Rejection: the
-    # min(1, p/q) rule with one uniform per decision. Greedy: argmax.
+    # min(1, p/q) rule with one uniform per decision. Greedy: argmax (argmax_last).
     def _pick_draft(self, logits, keys, positions):
         p = self.params
         if p.greedy:
-            return logits.argmax(-1), None
+            return argmax_last(logits), None
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)                  # [n, V]
         if self.coupled:
             return self.coupled.draft(probs, keys, positions), None
@@ -292,7 +292,7 @@ class GenerateRun:
         """logits [n, V] or [n, q, V]; positions [n] or [n, q]: where the sampled tokens land."""
         p = self.params
         if p.greedy:
-            return logits.argmax(-1)
+            return argmax_last(logits)
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
         if self.coupled:
             return self.coupled.target(probs, keys, positions)

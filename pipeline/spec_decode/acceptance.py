@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.spec_decode.sampling import sample
+from pipeline.spec_decode.sampling import argmax_last, sample
 
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor):
     the target's argmax at every position, which equals the accepted drafts on the accepted prefix.
     Example: drafts [[5, 7]], argmax [[5, 9, 4]] -> num_accepted [1], emitted row [5, 9, 4] (emit 5, 9).
     """
-    return coupled_accept(drafts, target_logits.argmax(dim=-1))         # target: [n, gamma + 1]
+    return coupled_accept(drafts, argmax_last(target_logits))          # target: [n, gamma + 1]
 
 
 def rejection_sample(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,

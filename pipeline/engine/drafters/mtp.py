@@ -6,6 +6,7 @@ import torch
 
 from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.engine.drafters.base import DraftRequest, Proposal
+from pipeline.spec_decode.sampling import argmax_last
 
 
 class MTPSource:
@@ -51,7 +52,7 @@ class MTPSource:
 
         def run():
             d.add_pending(fill)
-            return d.propose(rows, lengths, depth, lambda logits, _: (logits.argmax(-1), None))
+            return d.propose(rows, lengths, depth, lambda logits, _: (argmax_last(logits), None))
         return run
 
     def after_prefill(self, slots, hidden, ids, lens, first) -> None:
