@@ -35,6 +35,11 @@ high: one file priced 1-row verifies of 1..6 tokens at context 160 at 4.1, 6.1, 
 is charged the least price of any shape that does at least its work (as many rows or more, as
 many tokens or more, as many keys or more: `monotone`), which is also an upper bound on its
 cost; the file keeps the prices as measured. `--raw-prices` charges them as measured instead.
+
+A `rule` (a function of the price key) prices new shapes instead of measuring them: a made-up
+machine, for tests whose decisions must not follow this machine's load.
+
+    VirtualClock(rule=lambda key: 5e-3 if key.startswith("target:") else 1e-5)
 """
 from __future__ import annotations
 
@@ -111,8 +116,10 @@ def least_larger(key: str, price: float, table: dict[str, float]) -> float:
 
 
 class VirtualClock:
-    def __init__(self, reps: int = 5, prices: dict | None = None, reprice: bool = False, raw: bool = False):
+    def __init__(self, reps: int = 5, prices: dict | None = None, reprice: bool = False, raw: bool = False,
+                 rule=None):
         self.reps = reps
+        self.rule = rule           # key -> seconds: new shapes priced by it, not measured
         self.prices: dict[str, float] = dict(prices or {})   # as measured: what `save` writes
         self.raw = raw             # charge the prices as measured, not `monotone`'s
         self.charges: dict[str, float] = dict(self.prices) if raw else monotone(self.prices)
@@ -144,7 +151,9 @@ class VirtualClock:
                 t0 = _real_perf_counter()
                 out = fn(*args, **kwargs)
                 key = f"{kind}:{shape(*args, **kwargs)}"
-                if key not in self.prices or (self.reprice and key not in self._seen):
+                if key not in self.prices and self.rule is not None:
+                    self.prices[key] = self.charges[key] = self.rule(key)
+                elif key not in self.prices or (self.reprice and key not in self._seen):
                     times = [_real_perf_counter() - t0]
                     for _ in range(self.reps - 1):
                         t = _real_perf_counter()
