@@ -9,7 +9,7 @@ from pipeline.engine.drafters import TaskIndex, resolve_draft
 from pipeline.engine.drafters import DraftRequest
 from pipeline.engine.drafters.ngram import NgramSource, RowIndex
 from pipeline.engine.rows import Row
-from tests.tiny_models import hf_greedy, random_prompts, tiny_checkpoint
+from tests.tiny_models import hf_greedy, made_up_machine, random_prompts, tiny_checkpoint
 
 MAX_NEW = 24
 
@@ -44,8 +44,9 @@ def test_greedy_matches_transformers_for_every_source(root, monkeypatch, draft, 
     prompts = repetitive_prompts(seed=1)
     refs = hf_greedy(path, prompts, MAX_NEW)
     seen = record_draft_lens(monkeypatch)
-    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma, draft=draft, task="t")
+    with made_up_machine():                          # what auto drafts, whatever this machine's load
+        engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma, draft=draft, task="t")
     assert [o.token_ids for o in outs] == refs
     by_source = engine.last_stats.drafted_by_source
     if draft == "none":
@@ -74,10 +75,12 @@ def test_checkpoint_without_heads_speculates_with_ngram(root):
     path = tiny_checkpoint(root, arch="llama", num_mtp_layers=0, draftable=0.1, with_tokenizer=False)
     prompts = repetitive_prompts(seed=2)
     refs = hf_greedy(path, prompts, MAX_NEW)
-    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
+    with made_up_machine():
+        engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
     assert engine.num_mtp_heads == 0
     for gamma, draft in (("auto", "ngram"), (3, "auto"), (2, "ngram")):
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma, draft=draft)
+        with made_up_machine():
+            outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma, draft=draft)
         assert [o.token_ids for o in outs] == refs, (gamma, draft)
         assert engine.last_stats.drafted_by_source.get("ngram", 0) > 0
     with pytest.raises(ValueError, match="MTP heads"):
@@ -208,10 +211,11 @@ def test_a_plain_llama_shard_with_spec_draft_ngram_is_greedy_identical(tmp_path)
     pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet")
     source = open_source(str(tmp_path / "d.parquet"))
     data = DataConfig(path=str(tmp_path / "d.parquet"), prompt_column="text")
-    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
     task = ShardTask(plan_shards(source, 6)[0], 1, source.files, source.file_rows, data, (),
                      SamplingParams(max_new_tokens=MAX_NEW), "auto", draft="ngram")
-    result = process_shard(engine, task, {"device": "cpu"}, {})
+    with made_up_machine():
+        engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+        result = process_shard(engine, task, {"device": "cpu"}, {})
     ids = [engine.tokenizer(t)["input_ids"] for t in texts]
     refs = [engine.tokenizer.decode(r, skip_special_tokens=True) for r in hf_greedy(path, ids, MAX_NEW)]
     assert result.table.column("generated_text").to_pylist() == refs
@@ -501,3 +505,23 @@ def test_a_lookup_pauses_after_its_grace_of_misses_and_a_hit_ends_the_pause():
     pause.hit()
     pause.miss()                          # counted afresh: three more misses before a pause
     assert not pause.skip()
+
+
+def test_a_wider_verify_is_never_priced_below_a_narrower_one():
+    """Measured verify prices per width (medians of real steps) are noisy: one run priced 1-row
+    verifies of 1..6 tokens at 4.7, 5.2, 6.8, 6.4, 8.2, 7.1 ms, and a planner reading them as
+    they are would prefer 4 drafts to 3 and 6 to 5 for the price alone. Pooled instead."""
+    from pipeline.engine.drafting import nondecreasing, width_costs
+    measured = [4.7, 5.2, 6.8, 6.4, 8.2, 7.1]
+    assert nondecreasing(measured) == pytest.approx([4.7, 5.2, 6.6, 6.6, 7.65, 7.65])
+    assert nondecreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0] * 3)
+    assert nondecreasing([1.0, 2.0]) == [1.0, 2.0] and nondecreasing([]) == []
+
+    class Measured:
+        def step_s(self, rows, gamma, ctx):
+            return 5.0
+        def measured_verify_s(self, rows, q, ctx):
+            return measured[q - 1]
+    costs = width_costs(Measured(), 1, 160.0, 5)
+    assert costs == pytest.approx([5.0, 5.5, 6.9, 6.9, 7.95, 7.95])
+    assert all(a <= b for a, b in zip(costs, costs[1:]))

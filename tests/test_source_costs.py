@@ -6,7 +6,6 @@ from dataclasses import replace
 import pytest
 
 from pipeline.bench.step_costs import measure, table
-from pipeline.bench.virtual_clock import VirtualClock
 from pipeline.engine import Engine, SamplingParams
 from pipeline.engine.costs import CostTracker
 from pipeline.engine.profile import profile_costs
@@ -15,7 +14,7 @@ from pipeline.spec_decode.cost import MIN_LOCAL, CostModel, fit_cost_model
 from pipeline.spec_decode.policy import FixedGamma
 from pipeline.spec_decode.stats import StepRecord
 from tests.test_drafters import MAX_NEW, repetitive_prompts
-from tests.tiny_models import tiny_checkpoint
+from tests.tiny_models import made_up_machine, tiny_checkpoint
 
 TRUTH = CostModel((5e-3, 2e-6, 40e-6, 1e-9), 128, (1e-3, 2e-6, 5e-4, 3e-6), 0, lookup_row_s=4e-6)
 
@@ -67,21 +66,11 @@ def test_a_padded_verify_width_is_priced_as_measured_at_that_width():
     assert planner._lengths(p, 48, 64.0) == [0] * 48
 
 
-def flat_forwards(key: str) -> float:
-    """A made-up machine's prices (VirtualClock rule): a target forward 5 ms + 20 us a token, the
-    batch-1 regime where a drafted token is nearly free, so `auto` drafts whatever this machine's
-    load (on a busy CI machine the real tiny model's timings once priced every draft out)."""
-    kind, shape = key.split(":", 1)
-    rows, q = map(int, shape.split(":")[-1].split("@")[0].split("x"))
-    return 5e-3 + 2e-5 * rows * q if kind in ("target", "head") else 1e-5 * rows
-
-
 @pytest.mark.parametrize("heads,draft,gamma", [(0, "ngram", "auto"), (1, "auto", FixedGamma(2))])
-def test_steps_with_ngram_rows_reach_the_cost_model(tmp_path, monkeypatch, heads, draft, gamma):
+def test_steps_with_ngram_rows_reach_the_cost_model(tmp_path, heads, draft, gamma):
     """n-gram rows alone (a checkpoint without heads, auto), and beside the heads' rows (mixed)."""
-    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))       # a profile priced by this clock
     path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=heads, draftable=0.1, with_tokenizer=False)
-    with VirtualClock(rule=flat_forwards).installed():
+    with made_up_machine():
         engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
         engine.costs.refit_every, engine.costs.refit_share = 1, float("inf")     # refit whenever a step counts
         engine.generate(repetitive_prompts(seed=2), SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma, draft=draft)

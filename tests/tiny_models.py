@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
+from contextlib import contextmanager
 
 import torch
 import transformers
@@ -59,3 +62,30 @@ def keep_every_tail(monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(drafting, "tail_lengths", every)
     return kept
+
+
+def flat_forwards(key: str) -> float:
+    """A made-up machine's prices (a VirtualClock rule): a target or head forward 5 ms + 20 us a
+    token, anything else 10 us a row: the batch-1 regime where a drafted token is nearly free."""
+    kind, shape = key.split(":", 1)
+    rows, q = map(int, shape.split(":")[-1].split("@")[0].split("x"))
+    return 5e-3 + 2e-5 * rows * q if kind in ("target", "head") else 1e-5 * rows
+
+
+@contextmanager
+def made_up_machine():
+    """Engines built and run inside see `flat_forwards`' prices, not this machine's timing, with a
+    profile cache of their own. For tests that assert what `auto` decides: on a busy CI machine
+    the tiny models' real timings once priced every draft out (host time stays real, and is
+    small beside 5 ms forwards)."""
+    from pipeline.bench.virtual_clock import VirtualClock
+    before = os.environ.get("SPECBATCH_CACHE")
+    os.environ["SPECBATCH_CACHE"] = tempfile.mkdtemp(prefix="made-up-machine-")
+    try:
+        with VirtualClock(rule=flat_forwards).installed() as clock:
+            yield clock
+    finally:
+        if before is None:
+            os.environ.pop("SPECBATCH_CACHE", None)
+        else:
+            os.environ["SPECBATCH_CACHE"] = before

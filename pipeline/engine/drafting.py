@@ -60,11 +60,27 @@ def empty_drafts(n: int, device, lookup_s: float = 0.0) -> StepDrafts:
 def width_costs(model, rows: int, ctx: float, width: int) -> list[float]:
     """Step seconds of a padded verify at each width 0..`width`: a plain step plus what a
     verify of w + 1 tokens per row costs over a 1-token one, each priced as measured at its
-    shape where it has been (VerifyCorrection). Example: plain 40 ms, verifies of 1 / 2 / 3
-    tokens 42 / 55 / 80 ms -> [40, 53, 78]."""
+    shape where it has been (VerifyCorrection), made non-decreasing (`nondecreasing`: a verify
+    of more tokens does not cost less; measured medians of neighbouring widths sometimes say it
+    does, and a planner would then pick the width that was lucky). Example: plain 40 ms,
+    verifies of 1 / 2 / 3 tokens 42 / 55 / 80 ms -> [40, 53, 78]."""
     base = model.step_s(rows, 0, ctx)
-    one = model.measured_verify_s(rows, 1, ctx)
-    return [base] + [base + max(model.measured_verify_s(rows, w + 1, ctx) - one, 0.0) for w in range(1, width + 1)]
+    v = nondecreasing([model.measured_verify_s(rows, q, ctx) for q in range(1, width + 2)])
+    return [base] + [base + max(x - v[0], 0.0) for x in v[1:]]
+
+
+def nondecreasing(xs: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of xs (pool adjacent violators): each run of values
+    that decreases is replaced by its mean. Example: [4.7, 5.2, 6.8, 6.4, 8.2, 7.1] ->
+    [4.7, 5.2, 6.6, 6.6, 7.65, 7.65]."""
+    blocks: list[list[float]] = []              # [sum, count] per pooled run
+    for x in xs:
+        blocks.append([x, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
 
 
 def token_cost(costs: list[float], first_s: float, rows: int) -> float:
