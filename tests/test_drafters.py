@@ -77,12 +77,11 @@ def test_checkpoint_without_heads_speculates_with_ngram(root):
     refs = hf_greedy(path, prompts, MAX_NEW)
     with made_up_machine():
         engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
-    assert engine.num_mtp_heads == 0
-    for gamma, draft in (("auto", "ngram"), (3, "auto"), (2, "ngram")):
-        with made_up_machine():
+        assert engine.num_mtp_heads == 0
+        for gamma, draft in (("auto", "ngram"), (3, "auto"), (2, "ngram")):
             outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma, draft=draft)
-        assert [o.token_ids for o in outs] == refs, (gamma, draft)
-        assert engine.last_stats.drafted_by_source.get("ngram", 0) > 0
+            assert [o.token_ids for o in outs] == refs, (gamma, draft)
+            assert engine.last_stats.drafted_by_source.get("ngram", 0) > 0
     with pytest.raises(ValueError, match="MTP heads"):
         engine.generate(prompts, SamplingParams(max_new_tokens=4), gamma=2, draft="mtp")
 

@@ -67,8 +67,8 @@ def keep_every_tail(monkeypatch) -> list[list[int]]:
 def flat_forwards(key: str) -> float:
     """A made-up machine's prices (a VirtualClock rule): a target or head forward 5 ms + 20 us a
     token, anything else 10 us a row: the batch-1 regime where a drafted token is nearly free."""
-    kind, shape = key.split(":", 1)
-    rows, q = map(int, shape.split(":")[-1].split("@")[0].split("x"))
+    from pipeline.bench.virtual_clock import _work
+    (kind, _, _), (rows, q, _) = _work(key)
     return 5e-3 + 2e-5 * rows * q if kind in ("target", "head") else 1e-5 * rows
 
 
@@ -80,10 +80,11 @@ def made_up_machine():
     small beside 5 ms forwards)."""
     from pipeline.bench.virtual_clock import VirtualClock
     before = os.environ.get("SPECBATCH_CACHE")
-    os.environ["SPECBATCH_CACHE"] = tempfile.mkdtemp(prefix="made-up-machine-")
     try:
-        with VirtualClock(rule=flat_forwards).installed() as clock:
-            yield clock
+        with tempfile.TemporaryDirectory(prefix="made-up-machine-") as cache:
+            os.environ["SPECBATCH_CACHE"] = cache
+            with VirtualClock(rule=flat_forwards).installed() as clock:
+                yield clock
     finally:
         if before is None:
             os.environ.pop("SPECBATCH_CACHE", None)
