@@ -1,13 +1,17 @@
 """Test-wide setup: never reach the Hugging Face hub (checkpoints are written by the tests),
 and one local-Ray fixture for the modules that need it."""
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("SPECBATCH_CACHE", tempfile.mkdtemp(prefix="specbatch-test-cache-"))   # never ~/.cache
+if "SPECBATCH_CACHE" not in os.environ:          # never ~/.cache; removed when the test run ends
+    os.environ["SPECBATCH_CACHE"] = tempfile.mkdtemp(prefix="specbatch-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SPECBATCH_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
