@@ -91,7 +91,7 @@ def test_mtp_caches_hold_prompt_and_accepted_tokens(tmp_path):
     for _ in range(4):
         run._admit()
         run._step()
-    s, drafter = run.slots, run.drafter         # the MTP heads behind the "mtp" source
+    s, drafter = run.slots, run.sources.get("mtp").drafter      # the MTP heads behind the "mtp" source
     n = s.n
     drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))   # runs the fill
     assert engine.last_stats.accepted[0] > 0
@@ -134,7 +134,7 @@ def test_plain_steps_are_filled_at_the_next_draft_and_a_full_backlog_leaves_a_ga
         run.policy = FixedGamma(gamma)
         run._admit()
         run._step()
-    s, drafter = run.slots, run.drafter         # the MTP heads behind the "mtp" source
+    s, drafter = run.slots, run.sources.get("mtp").drafter      # the MTP heads behind the "mtp" source
     n = s.n
     drafter.propose(n, s.lengths[:n], 1, lambda logits, depth: (logits.argmax(-1), None))
     for slot in range(n):

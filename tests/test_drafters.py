@@ -1,5 +1,7 @@
 """Draft sources behind the drafter protocol: greedy identity for every source and for rows
 with different draft counts in one step, a checkpoint without heads, and the bounded task index."""
+import random
+
 import pytest
 import torch
 
@@ -103,6 +105,20 @@ def test_row_index_matches_its_own_tokens_then_the_task():
     other.extend([], 3)
     assert other.match(task, 2) == ([9, 9], 2)           # not in the row: the task's outputs
     assert RowIndex([3, 4]).match(None, 2) == ([], 0)
+
+
+def test_row_index_keeps_the_newest_end_of_every_ngram_as_it_grows():
+    """Extended a few tokens at a time, the index holds for every 1-3-gram of the row its newest
+    end that has a continuation, as a brute-force scan finds it."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(6) for _ in range(40)]
+    out = [rng.randrange(6) for _ in range(30)]
+    idx = RowIndex(prompt)
+    for n in (0, 1, 2, 7, 8, 30):
+        idx.extend(out[:n], len(prompt))
+        seq = prompt + out[:n]
+        want = {tuple(seq[e - m:e]): e for e in range(1, len(seq)) for m in range(1, min(3, e) + 1)}
+        assert idx.seq == seq and idx.ends == want
 
 
 def test_a_tail_is_looked_up_after_the_heads_drafts_and_within_the_budget():
@@ -524,3 +540,28 @@ def test_a_wider_verify_is_never_priced_below_a_narrower_one():
     costs = width_costs(Measured(), 1, 160.0, 5)
     assert costs == pytest.approx([5.0, 5.5, 6.9, 6.9, 7.95, 7.95])
     assert all(a <= b for a, b in zip(costs, costs[1:]))
+
+
+def test_sources_sum_their_deferred_work_by_slot():
+    """GenerateRun asks the sources, not the heads, what waits before their next drafts: per slot
+    summed over sources; the n-gram source defers nothing."""
+    from pipeline.engine.drafters import Sources
+
+    class Deferring:
+        def __init__(self, waiting, fill):
+            self.waiting, self.fill = waiting, fill
+
+        def waiting_tokens(self):
+            return dict(self.waiting)
+
+        def take_prompt_fill(self):
+            out, self.fill = self.fill, (0.0, 0)
+            return out
+
+    ngram = NgramSource(None, "cpu")
+    assert (ngram.waiting_tokens(), ngram.take_prompt_fill(), ngram.last_fill_tokens()) == ({}, (0.0, 0), -1)
+    sources = Sources({"a": Deferring({0: 114, 2: 3}, (2e-3, 114)), "b": Deferring({2: 4}, (1e-3, 4)),
+                       "ngram": ngram})
+    assert sources.waiting_tokens() == {0: 114, 2: 7}
+    assert sources.take_prompt_fill() == (pytest.approx(3e-3), 118)
+    assert sources.take_prompt_fill() == (0.0, 0)                 # taken once

@@ -97,8 +97,6 @@ class GenerateRun:
         names = [name for name, cap in (("mtp", self.mtp_cap), ("ngram", ngram_cap)) if cap > 0]
         index = engine.task_indexes.setdefault(task, TaskIndex(TASK_INDEX_TOKENS)) if ngram_cap > 0 else None
         self.sources = engine.draft_sources(batch, capacity, names, index, coupled=params.coupled, held_cache=True)
-        mtp = self.sources.get("mtp") if self.sources is not None else None
-        self.drafter = mtp.drafter if mtp is not None else None      # the heads' Drafter, where they draft
         if ngram_cap > 0 and self.auto:          # the per-row choice prices drafts by the cost model
             ensure_profile(engine, rows=batch, explore=self.mtp_cap > 0)
         self.planner = None
@@ -185,7 +183,7 @@ class GenerateRun:
         drafts, width = plan.drafts, plan.drafts.shape[1]
         self._sync()
         t1 = time.perf_counter()
-        fill_s, filled = self.drafter.take_prompt_fill() if self.drafter is not None else (0.0, 0)
+        fill_s, filled = self.sources.take_prompt_fill() if self.sources is not None else (0.0, 0)
         if fill_s:                          # prompts' fills deferred from their prefill: prefill work
             self.stats.observe_prefill(PrefillRecord(0, 0, fill_s))
             self.e.costs.note_prompt_fill(fill_s, filled)
@@ -203,8 +201,8 @@ class GenerateRun:
             num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions, plan.draft_len, plan.one_hot)
         acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
         t2 = time.perf_counter()
-        if s.drafter is not None:
-            for source in s.drafter:
+        if self.sources is not None:
+            for source in self.sources:
                 source.after_verify(n, lengths, hidden, emitted, num_acc, acc_list)
         s.advance(n, num_acc, emitted)
         if uniform:
@@ -213,7 +211,7 @@ class GenerateRun:
             emit_ragged(s.rows[:n], self.stats, plan, acc_list, emitted_list, self._emit)
         s.release_finished()
         overhead = (t0 - t_choose) + (time.perf_counter() - t2)
-        heads_fill = self.drafter.step_fill_tokens if plan.mtp_gamma and self.drafter is not None else -1
+        heads_fill = self.sources.get("mtp").last_fill_tokens() if plan.mtp_gamma else -1
         step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
                           t2 - t1, t1 - t0 - fill_s, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s,
                           fill_tokens=heads_fill)
@@ -237,18 +235,15 @@ class GenerateRun:
         (this call's rows' where the call names no task: calls of different tasks would mix).
         Example: a 114-token prompt at 22 us a token, its task's rows ending at 8 tokens, 1
         generated: 2.5 ms / 7 = 0.36 ms per token left."""
-        d = self.drafter
-        waiting = d is not None and (d.prompts or d.backlog)
-        tokens = sum(d.prompts.tokens.values()) + sum(d.backlog.tokens.values()) if waiting else 0
-        fill_s = self.e.costs.prompt_fill_s(tokens) if self.refine and tokens else None
+        waiting = self.sources.waiting_tokens() if self.sources is not None and self.refine else {}
+        tokens = sum(waiting.values())
+        fill_s = self.e.costs.prompt_fill_s(tokens) if tokens else None
         if fill_s is None:
             return 0.0, 0.0
         per_token = fill_s / tokens
         total = whole = 0.0
         ascending = sorted(self.lengths)
-        held = d.backlog.tokens
-        for slot in d.prompts.tokens.keys() | held.keys():
-            mine = d.prompts.tokens.get(slot, 0) + held.get(slot, 0)
+        for slot, mine in waiting.items():
             r = self.slots.rows[slot]
             if r is None:
                 continue

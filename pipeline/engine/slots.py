@@ -9,13 +9,13 @@ from pipeline.engine.rows import Row
 
 
 class Slots:
-    def __init__(self, batch_size: int, device, drafter, cache):
+    def __init__(self, batch_size: int, device, sources, cache):
         self.rows: list[Row | None] = [None] * batch_size
         self.n = 0                                                                # slots in use: 0..n-1
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)   # [B] cached tokens
         self.last_token = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B] newest, uncached
         self.keys = torch.zeros(batch_size, dtype=torch.long, device=device)      # [B] random-stream key
-        self.drafter, self.cache = drafter, cache
+        self.sources, self.cache = sources, cache      # the draft sources (drafters.Sources) follow the rows
 
     def free_slots(self) -> list[int]:
         holes = [i for i in range(self.n) if self.rows[i] is None]
@@ -29,8 +29,8 @@ class Slots:
         self.last_token[idx] = first
         self.keys[idx] = torch.tensor([r.key for r in rows], device=idx.device)
         self.n = max(self.n, max(slot_ids) + 1)
-        if self.drafter is not None:
-            self.drafter.reset_rows(idx)
+        if self.sources is not None:
+            self.sources.reset_rows(idx)
 
     def advance(self, n: int, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None:
         """Rows 0..n-1 keep their accepted drafts: lengths grow by accepted + 1 (the last input
@@ -43,10 +43,9 @@ class Slots:
         finished = [self.rows[i] for i in done]
         for i in done:
             self.rows[i] = None
-        if done and self.drafter is not None:
-            self.drafter.drop_rows(torch.tensor(done, device=self.lengths.device))
-            if hasattr(self.drafter, "finish_rows"):
-                self.drafter.finish_rows(finished)
+        if done and self.sources is not None:
+            self.sources.drop_rows(torch.tensor(done, device=self.lengths.device))
+            self.sources.finish_rows(finished)
         self._trim()
 
     def compact(self) -> None:
@@ -63,8 +62,8 @@ class Slots:
         for t in (self.lengths, self.last_token, self.keys):
             t[dst] = t[src]
         self.cache.move_row(src, dst)
-        if self.drafter is not None:
-            self.drafter.move_row(src, dst)
+        if self.sources is not None:
+            self.sources.move_row(src, dst)
 
     def _trim(self) -> None:
         while self.n and self.rows[self.n - 1] is None:

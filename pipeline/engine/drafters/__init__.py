@@ -1,7 +1,7 @@
 """Draft sources behind one protocol (base.DraftSource): `mtp` (the checkpoint's heads) and
 `ngram` (suffix matches in the row and the task's recent outputs). `make_sources` builds those
-a checkpoint has (for a generate call, a profile or a benchmark); `Sources` holds them and fans
-the slot events (reset, move, drop, finish) out to each."""
+a checkpoint has (for a generate call, a profile or a benchmark); `Sources` holds them, fans
+the slot events (reset, move, drop, finish) out to each and sums their deferred work."""
 from __future__ import annotations
 
 from pipeline.engine.drafters.base import DraftRequest, DraftSource, Proposal
@@ -69,3 +69,19 @@ class Sources:
     def finish_rows(self, rows) -> None:
         for s in self:
             s.finish_rows(rows)
+
+    def waiting_tokens(self) -> dict[int, int]:
+        """Per slot, the tokens every source's deferred work holds (base: deferred work)."""
+        out: dict[int, int] = {}
+        for s in self:
+            for slot, k in s.waiting_tokens().items():
+                out[slot] = out.get(slot, 0) + k
+        return out
+
+    def take_prompt_fill(self) -> tuple[float, int]:
+        """(seconds, tokens) of the deferred prefill work the sources ran since the last take."""
+        seconds, tokens = 0.0, 0
+        for s in self:
+            f_s, f_t = s.take_prompt_fill()
+            seconds, tokens = seconds + f_s, tokens + f_t
+        return seconds, tokens

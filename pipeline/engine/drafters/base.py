@@ -10,6 +10,13 @@ Each source also reports its own cost, for the cost model (pipeline.spec_decode.
 with the step's drafting, e.g. the heads; "row": host work per row whatever the depth, which the
 source times itself into `Proposal.seconds`, e.g. the n-gram lookup), and `probe` hands out one
 made-up proposal to time, so a profile or benchmark measures a source without a generate call.
+
+A source may defer work to its next proposal (the heads run a row's prompt, and the tokens of
+steps they sat out, before drafting for it). It tells how much waits (`waiting_tokens`, per
+slot: the gamma policy prices it), hands over the seconds of the part that was prefill work
+(`take_prompt_fill`), and says what its last proposal ran over the previous step
+(`last_fill_tokens`, -1 where it has no such fill). A source that defers nothing returns
+{}, (0.0, 0) and -1.
 """
 from __future__ import annotations
 
@@ -55,3 +62,6 @@ class DraftSource(Protocol):
     def move_row(self, src: int, dst: int) -> None: ...
     def drop_rows(self, rows: torch.Tensor) -> None: ...
     def finish_rows(self, rows: list) -> None: ...
+    def waiting_tokens(self) -> dict[int, int]: ...          # slot -> tokens its deferred work holds
+    def take_prompt_fill(self) -> tuple[float, int]: ...     # (seconds, tokens) of deferred prefill work run
+    def last_fill_tokens(self) -> int: ...                   # tokens the last proposal ran over the last step

@@ -85,3 +85,19 @@ class MTPSource:
 
     def finish_rows(self, rows) -> None:
         pass
+
+    def waiting_tokens(self) -> dict[int, int]:
+        """Per slot, the prompt and skipped-step tokens the heads run before its next draft."""
+        d = self.drafter
+        if not (d.prompts or d.backlog):
+            return {}
+        out = dict(d.prompts.tokens)
+        for slot, k in d.backlog.tokens.items():
+            out[slot] = out.get(slot, 0) + k
+        return out
+
+    def take_prompt_fill(self) -> tuple[float, int]:
+        return self.drafter.take_prompt_fill()
+
+    def last_fill_tokens(self) -> int:
+        return self.drafter.step_fill_tokens
