@@ -9,7 +9,6 @@ length; rejected drafts are rolled back by not advancing its length.
 from __future__ import annotations
 
 import bisect
-import statistics
 import time
 from collections import deque
 from dataclasses import replace
@@ -67,10 +66,13 @@ def expected_left(ascending: list, have: int, left: int) -> float:
     34 (the plain median less what it has would say 10, and 1 past 40)."""
     if not ascending:
         return max(left, 1)
-    longer = ascending[bisect.bisect_right(ascending, have):]
-    if not longer:
+    lo = bisect.bisect_right(ascending, have)
+    k = len(ascending) - lo                     # rows that ran longer; their lengths are sorted already
+    if not k:
         return 1
-    return max(min(left, statistics.median(longer) - have), 1)
+    mid = lo + k // 2
+    median = ascending[mid] if k % 2 else (ascending[mid - 1] + ascending[mid]) / 2
+    return max(min(left, median - have), 1)
 
 
 class GenerateRun:
@@ -243,11 +245,16 @@ class GenerateRun:
         per_token = fill_s / tokens
         total = whole = 0.0
         ascending = sorted(self.lengths)
+        remainders: dict[tuple[int, int], float] = {}     # rows admitted together share (have, left)
         for slot, mine in waiting.items():
             r = self.slots.rows[slot]
             if r is None:
                 continue
-            total += per_token * mine / expected_left(ascending, len(r.tokens), r.max_new - len(r.tokens))
+            key = (len(r.tokens), r.max_new - len(r.tokens))
+            rest = remainders.get(key)
+            if rest is None:
+                rest = remainders[key] = expected_left(ascending, *key)
+            total += per_token * mine / rest
             whole += per_token * mine
         return total, whole
 
