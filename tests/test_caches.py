@@ -164,24 +164,3 @@ def test_a_call_reusing_the_last_calls_caches_generates_what_a_fresh_engine_does
         assert [o.num_accepted_tokens for o in used.generate(second, params, gamma=gamma)] == \
                [o.num_accepted_tokens for o in fresh.generate(second, params, gamma=gamma)]
     assert all(used._caches[k] is c for k, c in caches.items())         # the same buffers throughout
-
-
-def test_calls_that_alternate_shapes_stop_remaking_the_caches(tmp_path):
-    """A batch of short prompts, one long prompt alone, then the short batch again: the second
-    call's caches hold the first call's rows and its own tokens, and the third call reuses them
-    (an actor alternating shard shapes does not re-make tens of MB per call). Output is the
-    fresh engine's throughout."""
-    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    short, long = random_prompts([5, 7, 6, 4], 128, seed=2), random_prompts([40], 128, seed=3)
-    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
-    fresh = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
-    engine.generate(short, params, gamma=2)
-    rows = {k: c.k.shape[1] for k, c in engine._caches.items()}
-    engine.generate(long, params, gamma=2)
-    grown = dict(engine._caches)
-    assert {k: c.k.shape[1] for k, c in grown.items()} == rows == {"target": 4, "heads": 4}
-    assert all(c.capacity >= 40 + 8 for c in grown.values())
-    outs = engine.generate(short, params, gamma=2)
-    assert all(engine._caches[k] is c for k, c in grown.items())
-    assert [o.token_ids for o in outs] == [o.token_ids for o in fresh.generate(short, params, gamma=2)]

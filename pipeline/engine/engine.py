@@ -93,19 +93,13 @@ class Engine:
     def kv_cache(self, kind: str, num_layers: int, batch: int, capacity: int, num_kv_heads: int,
                  head_dim: int) -> KVCache:
         """A KV cache of at least this size for a generate call: the last call's where it fits,
-        else a new one (the old one released first, so two are never held) as large as both in
-        rows and tokens, so calls that alternate shapes (a shard of 48 short rows, then one of
-        long prompts at batch 1) stop re-making it once it holds the largest of each. Reuse skips
-        zeroing tens of MB per call; what a slot held before is masked and overwritten like any
-        rolled-back draft (pipeline.model.cache).
-        Example: held 48 rows x 90 tokens, a call asks 1 x 190: the new cache is 48 x 190."""
+        else a new one (the old one released first, so two are never held). Reuse skips zeroing
+        tens of MB per call; what a slot held before is masked and overwritten like any rolled-back draft
+        (pipeline.model.cache)."""
         held = self._caches.get(kind)
         if held is not None and held.fits(num_layers, batch, capacity, num_kv_heads, head_dim):
             return held
-        if held is not None and held.fits(num_layers, 1, 1, num_kv_heads, head_dim):     # same layout
-            batch, capacity = max(batch, held.k.shape[1]), max(capacity, held.k.shape[3])
         self._caches.pop(kind, None)
-        del held
         self._caches[kind] = KVCache(num_layers, batch, capacity, num_kv_heads, head_dim, self.dtype, self.device)
         return self._caches[kind]
 
