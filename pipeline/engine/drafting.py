@@ -66,7 +66,7 @@ def width_costs(model, rows: int, ctx: float, width: int) -> list[float]:
     verifies of 1 / 2 / 3 tokens 42 / 55 / 80 ms -> [40, 53, 78]."""
     base = model.step_s(rows, 0, ctx)
     v = nondecreasing([model.measured_verify_s(rows, q, ctx) for q in range(1, width + 2)])
-    return [base] + [base + max(x - v[0], 0.0) for x in v[1:]]
+    return [base] + [base + x - v[0] for x in v[1:]]          # pooled: never below v[0]
 
 
 def nondecreasing(xs: list[float]) -> list[float]:
