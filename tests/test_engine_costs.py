@@ -189,3 +189,32 @@ def test_a_waiting_fill_is_priced_at_its_size_not_at_the_mean_per_token():
     falling.note_prompt_fill(2e-3, 100)
     assert falling.prompt_fill_s(110) == pytest.approx(5e-3)
     assert CostTracker().prompt_fill_s(100) is None
+
+
+def test_a_refit_is_charged_to_no_steps_sample(tmp_path, monkeypatch):
+    """A refit of the cost model falls due between steps and runs before the next one's timing
+    starts: it is host work of no step shape. Timed inside the policy's choice it added 15-60 ms
+    to one step's sample, and two such samples priced a 48-row gamma 1.26x its cost
+    (docs/decisions.md, stop 44). Here each fit moves the clock on by an hour."""
+    import time
+
+    import pipeline.engine.costs as costs_module
+    from pipeline.engine import SamplingParams
+    from pipeline.spec_decode.cost import step_seconds
+
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4, gamma_max=2)
+    engine.ensure_profile(rows=4)                         # so a fit has shapes to fit: it returns a model
+    engine.costs.refit_every, engine.costs.refit_share = 2, 1e9                     # a refit every other step
+    hour, offset, real_clock, real_fit = 3600.0, [0.0], time.perf_counter, costs_module.fit_cost_model
+
+    def slow_fit(*args, **kwargs):
+        offset[0] += hour
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(costs_module, "fit_cost_model", slow_fit)
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + offset[0])
+    fits = engine.costs.fits
+    engine.generate([[5, 6, 7], [8, 9]] * 3, SamplingParams(max_new_tokens=12, ignore_eos=True), gamma="auto")
+    assert engine.costs.fits - fits >= 3                  # refits ran during the call ...
+    assert all(step_seconds(s) < hour for s in engine.last_stats.steps)   # ... in no step's time
