@@ -422,6 +422,39 @@ def test_the_lookup_pauses_while_the_heads_beat_every_match(strong, lookups):
     assert len(calls) == lookups
 
 
+@pytest.mark.parametrize("first_match,by_gamma", [(1, True), (3, False)])
+def test_a_step_is_a_gammas_shape_only_where_every_row_drafts_the_heads_gamma(first_match, by_gamma):
+    """Two rows, heads at gamma 3. Matches of length 1 are weak here, so both rows take the heads:
+    one draft count for every row, verified as a gamma-3 step, and its time prices gamma 3. A
+    strong 3-token match on the first row takes its n-gram draft: the step is no gamma's shape.
+    Labelled by-gamma with a count per row, forced-packed verifies (137 ms against 76 padded)
+    priced 48 rows at gamma 3 at 1.46x their cost (docs/decisions.md, stop 44)."""
+    from pipeline.engine.drafters.base import Proposal
+    from pipeline.engine.drafting import DraftPlanner
+    from pipeline.spec_decode.stats import SpecStats
+
+    class Ngram:
+        def propose(self, req):
+            return Proposal(torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([3, 3]), None,
+                            [first_match, 1], 0.0, [3, 3])
+
+    class Heads:
+        def propose(self, req):
+            return Proposal(torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([3, 3]), None)
+
+        def skip(self):
+            pass
+
+    stats = SpecStats(reached=[100] * 3, accepted=[80] * 3,
+                      source_reached={"ngram:3": [100] * 3, "ngram:1": [100] * 3},
+                      source_accepted={"ngram:3": [99] * 3, "ngram:1": [20] * 3})
+    planner = DraftPlanner({"ngram": Ngram(), "mtp": Heads()}, auto=True, ngram_cap=3, evidence=None,
+                           cost_model=lambda: None, params=None)
+    out = planner.plan(2, torch.tensor([10, 10]), [None, None], 3, None, stats, None, 10.0, False)
+    assert out.by_gamma is by_gamma and (out.draft_len is None) is by_gamma
+    assert out.drafts.tolist() == ([[1, 2, 3], [1, 2, 3]] if by_gamma else [[5, 6, 7], [1, 2, 3]])
+
+
 def test_a_batch_that_never_drafts_moves_no_head_cache_rows(root, monkeypatch):
     """Rows that finish early leave holes the last row moves into; the heads' cache of a row
     that never drafted holds nothing, so only the target's cache row is copied. Once rows

@@ -49,8 +49,9 @@ class StepDrafts:
     @property
     def by_gamma(self) -> bool:
         """Every row drafted mtp_gamma with the heads and nothing more, or none drafted: a step
-        of one gamma's shape (the cost model's per-gamma correction takes it)."""
-        return not (self.match and any(self.match)) and not (self.tail_len and any(self.tail_len))
+        of one gamma's shape, verified as one (the cost model's per-gamma correction takes it).
+        Plans with a count per row are not: some rows drafted less, or their verify was packed."""
+        return self.draft_len is None
 
 
 def empty_drafts(n: int, device, lookup_s: float = 0.0) -> StepDrafts:
@@ -172,6 +173,9 @@ class DraftPlanner:
             self._pause.miss()
             if not any(lens):
                 return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
+            if all(use_mtp):              # every row takes the heads: a gamma's step (and its tails)
+                plan = self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
+                return self._add_tails(plan, rows, use_mtp, lens, n + n * sum(cum_mtp), cum_mtp[-1], stats, n, ctx)
         width = max(lens)
         drafts = ng.drafts[:, :width]
         if width > g:
