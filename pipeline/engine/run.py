@@ -166,7 +166,7 @@ class GenerateRun:
         if n == 0:
             return
         if self.refine:      # a refit that is due runs here, untimed: it is no step shape's cost, and
-            self.e.cost_model()   # inside the policy's choice it added 15-60 ms to one step's sample
+            self.e.cost_model()   # inside the policy's choice it added 12-25 ms to one step's sample
         t_choose = time.perf_counter()
         lengths = s.lengths[:n]                     # unchanged until s.advance below
         ctx = float(lengths.max())                  # every row attends to the longest row's cache
