@@ -141,12 +141,10 @@ class DraftPlanner:
             if not any(ng.match):
                 ng = None
         if ng is None:
-            plan = self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
-            if plan.mtp_gamma and not measuring:
-                p_mtp = self._heads_cum(stats, mtp_prior, mtp_gamma)
-                plan = self._add_tails(plan, rows, [True] * n, [mtp_gamma] * n, n + n * sum(p_mtp), p_mtp[-1],
-                                       stats, n, ctx)
-            return plan
+            if mtp is None or not mtp_gamma or measuring:
+                return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
+            return self._heads_step(n, lengths, rows, mtp_gamma, pick, looked,
+                                    self._heads_cum(stats, mtp_prior, mtp_gamma), stats, ctx)
         t_choice = time.perf_counter()            # the per-row choice is host work n-gram drafting needs
         g = ng.drafts.shape[1]
         avail = ng.host_len if ng.host_len is not None else ng.draft_len.tolist()
@@ -174,8 +172,7 @@ class DraftPlanner:
             if not any(lens):
                 return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
             if all(use_mtp):              # every row takes the heads: a gamma's step (and its tails)
-                plan = self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
-                return self._add_tails(plan, rows, use_mtp, lens, n + n * sum(cum_mtp), cum_mtp[-1], stats, n, ctx)
+                return self._heads_step(n, lengths, rows, mtp_gamma, pick, looked, cum_mtp, stats, ctx)
         width = max(lens)
         drafts = ng.drafts[:, :width]
         if width > g:
@@ -204,6 +201,13 @@ class DraftPlanner:
             base = n + sum(use_mtp) * sum(cum_mtp) + kept(p_ng, [0 if u else k for u, k in zip(use_mtp, lens)])
             plan = self._add_tails(plan, rows, use_mtp, lens, base, cum_mtp[-1], stats, n, ctx)
         return plan
+
+    def _heads_step(self, n: int, lengths, rows, gamma: int, pick, looked: float, cum: list[float],
+                    stats: SpecStats, ctx: float) -> StepDrafts:
+        """Every row drafts `gamma` with the heads, one gamma's uniform step, with n-gram tails
+        where they pay (`_add_tails`); `cum`: the heads' cumulative acceptance P_1..P_gamma."""
+        plan = self._mtp_only(n, lengths, rows, gamma, pick, looked)
+        return self._add_tails(plan, rows, [True] * n, [gamma] * n, n + n * sum(cum), cum[-1], stats, n, ctx)
 
     def _heads_cum(self, stats: SpecStats, mtp_prior: SpecStats | None, gamma: int) -> list[float]:
         """The heads' cumulative acceptance P_1..P_gamma, from this call's counts and the prior."""
