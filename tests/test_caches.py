@@ -164,3 +164,51 @@ def test_a_call_reusing_the_last_calls_caches_generates_what_a_fresh_engine_does
         assert [o.num_accepted_tokens for o in used.generate(second, params, gamma=gamma)] == \
                [o.num_accepted_tokens for o in fresh.generate(second, params, gamma=gamma)]
     assert all(used._caches[k] is c for k, c in caches.items())         # the same buffers throughout
+
+
+def test_a_row_moved_into_a_hole_brings_its_cached_positions_and_only_those():
+    """Slots.compact moves the last active row into a finished row's slot: positions
+    0..length-1 of every layer come along; the rest of the slot (stale, masked until
+    overwritten) is not copied, however large the held cache."""
+    cache = KVCache(2, 3, 16, 1, 2, torch.float32, "cpu")
+    for slot in range(3):
+        cache.k[:, slot], cache.v[:, slot] = 10.0 * slot + torch.arange(16.0)[:, None], -1.0 - slot
+    slots = Slots(3, "cpu", None, cache)
+    rows = [Row(i, [1, 2, 3], 8, RequestOutput()) for i in range(3)]
+    slots.place([0, 1, 2], rows, torch.tensor([4, 9, 5]), torch.tensor([7, 7, 7]))
+    rows[0].finished = True
+    slots.release_finished()
+    slots.compact()
+    assert slots.rows[:2] == [rows[2], rows[1]] and slots.n == 2 and slots.lengths[0] == 5
+    assert torch.equal(cache.k[:, 0, :, :5], 20.0 + torch.arange(5.0)[:, None].expand(2, 1, 5, 2))
+    assert (cache.v[:, 0, :, :5] == -3).all()
+    assert torch.equal(cache.k[:, 0, :, 5:], torch.arange(5.0, 16.0)[:, None].expand(2, 1, 11, 2))   # slot 0's own
+    assert (cache.v[:, 0, :, 5:] == -1).all()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("gamma", [0, 2])
+def test_rows_moved_into_holes_copy_their_cached_tokens_and_generate_as_a_fresh_engine(tmp_path, monkeypatch, gamma):
+    """A finished row's hole is filled by the last active row. The engine's held cache is sized
+    for its largest call, so a move copies the moved row's cached tokens, not the capacity; the
+    output is a fresh engine's (which holds a cache of this call's size)."""
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    limit = Engine.from_pretrained(path, device="cpu").config.max_position_embeddings
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prompts = random_prompts([limit - 3, 5, limit - 7, 6, 4], 128, seed=8)   # the long ones finish early
+    used = Engine.from_pretrained(path, device="cpu", max_batch_size=5)
+    used.generate(random_prompts([limit - 12] * 5, 128, seed=3), SamplingParams(max_new_tokens=12, ignore_eos=True),
+                  gamma=0)                                 # a held cache of the largest capacity
+    moves, real = [], KVCache.move_row
+
+    def recording(self, src, dst, length=None):
+        if self is used._caches["target"]:
+            moves.append((length, self.capacity))
+        return real(self, src, dst, length)
+
+    monkeypatch.setattr(KVCache, "move_row", recording)
+    got = [o.token_ids for o in used.generate(prompts, params, gamma=gamma)]
+    want = [o.token_ids for o in Engine.from_pretrained(path, device="cpu", max_batch_size=5).generate(
+        prompts, params, gamma=gamma)]
+    assert got == want
+    assert moves and all(length is not None and length <= 20 < capacity for length, capacity in moves)

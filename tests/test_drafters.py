@@ -464,9 +464,9 @@ def test_a_batch_that_never_drafts_moves_no_head_cache_rows(root, monkeypatch):
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
     moves, real = [], KVCache.move_row
 
-    def counting(self, src, dst):
+    def counting(self, src, dst, length=None):
         moves.append("heads" if self is engine._caches.get("heads") else "target")
-        return real(self, src, dst)
+        return real(self, src, dst, length)
 
     monkeypatch.setattr(KVCache, "move_row", counting)
 

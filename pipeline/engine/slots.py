@@ -61,7 +61,7 @@ class Slots:
         self.rows[dst], self.rows[src] = self.rows[src], None
         for t in (self.lengths, self.last_token, self.keys):
             t[dst] = t[src]
-        self.cache.move_row(src, dst)
+        self.cache.move_row(src, dst, int(self.lengths[src]))      # its cached tokens, not the capacity
         if self.sources is not None:
             self.sources.move_row(src, dst)
 

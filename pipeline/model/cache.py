@@ -101,7 +101,11 @@ class KVCache:
             return self.k[layer, :n, :, :t], self.v[layer, :n, :, :t]
         return self.k[layer, batch.rows, :, :t], self.v[layer, batch.rows, :, :t]
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy one row onto another (used to keep active rows contiguous, never for rollback)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+    def move_row(self, src: int, dst: int, length: int | None = None) -> None:
+        """Copy one row onto another (used to keep active rows contiguous, never for rollback);
+        `length`: only its first `length` positions hold anything (the rest is masked and
+        overwritten), so only those are copied. A held cache is sized for the largest call so
+        far: at batch 48 whole-capacity copies were 45 ms of a 750 ms summarize call."""
+        t = slice(None) if length is None else slice(0, length)
+        self.k[:, dst, :, t] = self.k[:, src, :, t]
+        self.v[:, dst, :, t] = self.v[:, src, :, t]
