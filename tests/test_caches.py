@@ -212,3 +212,24 @@ def test_rows_moved_into_holes_copy_their_cached_tokens_and_generate_as_a_fresh_
         prompts, params, gamma=gamma)]
     assert got == want
     assert moves and all(length is not None and length <= 20 < capacity for length, capacity in moves)
+
+
+@torch.no_grad()
+def test_calls_whose_needs_differ_by_a_few_positions_or_rows_share_the_held_caches(tmp_path):
+    """A held cache is replaced only when a call needs more than it has; the new one covers the
+    old one's rows too and rounds its positions up to CACHE_STEP, so a call at gamma 3 after one
+    at gamma 0 (three positions more), or a smaller batch after a larger, allocates nothing."""
+    from pipeline.engine.engine import CACHE_STEP
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine.generate(random_prompts([30, 25, 28, 31], 128, seed=4), params, gamma=0)
+    target = engine._caches["target"]
+    assert target.capacity % CACHE_STEP == 0 and target.capacity >= 31 + 12 + 2
+    engine.generate(random_prompts([30, 25, 28, 31], 128, seed=4), params, gamma=3)
+    heads = engine._caches["heads"]
+    engine.generate(random_prompts([9, 12], 128, seed=5), params, gamma=2)
+    assert engine._caches["target"] is target and engine._caches["heads"] is heads
+    engine.generate(random_prompts([90], 128, seed=6), params, gamma=0)     # more positions: a new one ...
+    grown = engine._caches["target"]
+    assert grown is not target and grown.capacity >= 90 + 12 + 2 and grown.k.shape[1] == 4    # ... keeping the rows
