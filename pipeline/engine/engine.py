@@ -29,6 +29,12 @@ CACHE_STEP = 64         # a new KV cache's positions are rounded up to a multipl
 _KEEP_STEPS = 4096      # step records an engine keeps for the cost model and stats export
 
 
+def _round_positions(t: int, context: int) -> int:
+    """t rounded up to a multiple of CACHE_STEP, not past the model's context (no row needs
+    positions past it and its drafts). Example, context 1024: 443 -> 448, 1030 -> 1030."""
+    return max(t, min(-(-t // CACHE_STEP) * CACHE_STEP, context))
+
+
 class Engine:
     def __init__(self, loaded, tokenizer=None, max_batch_size: int = 32,
                  gamma_max: int = DEFAULT_GAMMA_MAX):
@@ -96,17 +102,21 @@ class Engine:
         """A KV cache of at least this size for a generate call: the last call's where it fits,
         else a new one (the old one released first, so two are never held). Reuse skips zeroing
         tens of MB per call; what a slot held before is masked and overwritten like any rolled-back draft
-        (pipeline.model.cache). A new one covers the old one's rows and positions too, its positions
-        rounded up to CACHE_STEP (not past the model's context): calls whose needs differ by a few drafts (gamma 5 against 10 with
-        n-gram tails) or a few prompt tokens share one. At 48 rows the demo's cache is ~180 MB
-        (~250 ms to allocate), the heads' ~10 ms."""
+        (pipeline.model.cache). A new one's positions are rounded up to CACHE_STEP (not past the
+        model's context), and it covers the old one's rows and positions too where that at most
+        doubles it: calls whose needs differ by a few drafts (the heads' gamma 5 against 10 with
+        n-gram tails) or prompt tokens then share one, while 256 short rows followed by one long
+        prompt do not make a 256-row cache of the long one's length. At 48 rows the demo's cache
+        is ~180 MB (~250 ms to allocate), the heads' ~10 ms."""
         held = self._caches.get(kind)
         if held is not None and held.fits(num_layers, batch, capacity, num_kv_heads, head_dim):
             return held
+        context = self.config.max_position_embeddings
         if held is not None and held.fits(num_layers, 1, 1, num_kv_heads, head_dim):
-            batch, capacity = max(batch, held.k.shape[1]), max(capacity, held.capacity)   # grow, never shrink
-        context = self.config.max_position_embeddings        # no row needs positions past it (and its drafts)
-        capacity = max(capacity, min(-(-capacity // CACHE_STEP) * CACHE_STEP, context))
+            rows, positions = max(batch, held.k.shape[1]), _round_positions(max(capacity, held.capacity), context)
+            if rows * positions <= 2 * batch * _round_positions(capacity, context):   # the old one's size too,
+                batch, capacity = rows, positions                                      # where at most twice
+        capacity = _round_positions(capacity, context)
         held = self._caches.pop(kind, None)
         del held                                    # freed before the new one is allocated
         self._caches[kind] = KVCache(num_layers, batch, capacity, num_kv_heads, head_dim, self.dtype, self.device)
