@@ -73,6 +73,22 @@ def test_mixed_draft_lengths_in_one_step_are_greedy_identical(root, monkeypatch,
     assert mixed, "some step must verify rows with 0 drafts next to rows with several"
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_only_a_padded_verify_prices_its_width(root, layout):
+    """A verify of per-row drafts prices its width at its rows (VerifyCorrection) only where it
+    ran as one padded forward. Packed, each token is its own query row gathering its cache row
+    (stop 43's prices, 1 row, 8 tokens: 15.0 ms against 10.1 padded), and at one row its mean
+    tokens per row is always whole: the benchmark's forced-packed calls priced the 1-row verify
+    widths every other system then read."""
+    path = tiny_checkpoint(root, arch="llama", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=1)
+    engine.verify_layout = layout
+    engine.generate(repetitive_prompts(seed=4)[:3], SamplingParams(max_new_tokens=MAX_NEW), gamma=4, draft="ngram")
+    assert engine.last_stats.drafted_by_source.get("ngram", 0) > 0
+    widths = {key[0] for key in engine.costs.verify_local.samples}            # (tokens per row, rows, context)
+    assert 1 in widths and (max(widths) > 1) == (layout == "padded"), widths
+
+
 def test_checkpoint_without_heads_speculates_with_ngram(root):
     path = tiny_checkpoint(root, arch="llama", num_mtp_layers=0, draftable=0.1, with_tokenizer=False)
     prompts = repetitive_prompts(seed=2)

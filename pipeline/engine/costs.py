@@ -87,19 +87,21 @@ class CostTracker:
             self._new_steps, self._new_work_s = 0, 0.0
         return self._model
 
-    def record(self, step: StepRecord, refine: bool = True, by_gamma: bool = True) -> None:
+    def record(self, step: StepRecord, refine: bool = True, by_gamma: bool = True, padded: bool = True) -> None:
         """One step the engine ran. `refine`: it ran under the cost-model policy, so it counts
         towards the next refit (steps at a caller's fixed gamma are kept, and priced locally,
         but do not make the auto policy pay for a refit). `by_gamma`: every row drafted the
         step's gamma with the heads, or none did; a step with n-gram rows is no gamma's shape,
         so it joins the fit window (verify priced by the tokens it computed, drafting by
         source) but neither the per-gamma correction nor the drift check. Every step whose rows
-        all verified the same number of tokens prices that verify shape (VerifyCorrection)."""
+        all verified the same number of tokens in one padded forward (`padded`) prices that verify
+        shape (VerifyCorrection): a packed verify runs each token as its own query row with a cache
+        gather, so its mean tokens per row (always whole at one row) is not that shape's cost."""
         self.steps.append(step)
         if refine:
             self._new_steps += 1
             self._new_work_s += step.verify_s + step.draft_s
-        if self.verify_local.takes(step):
+        if padded and self.verify_local.takes(step):
             self.verify_local.add(step, self._model, tick=refine)
         if not by_gamma:
             return

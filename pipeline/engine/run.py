@@ -20,7 +20,7 @@ from pipeline.engine.coupled import CoupledSampler
 from pipeline.engine.drafters import TaskIndex
 from pipeline.engine.drafting import DraftPlanner, StepDrafts
 from pipeline.engine.emit import emit_ragged, emit_uniform
-from pipeline.engine.verify import verify_forward
+from pipeline.engine.verify import choose_layout, verify_forward
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.warm_start import ensure_profile
 from pipeline.engine.rows import Row
@@ -192,6 +192,7 @@ class GenerateRun:
             self.stats.observe_prefill(PrefillRecord(0, 0, fill_s))
             self.e.costs.note_prompt_fill(fill_s, filled)
         uniform = plan.draft_len is None or width == 0                                # every row drafts `width`
+        layout = "padded" if uniform else choose_layout(plan.draft_len, width, self.e.verify_layout)
         positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)  # [n, width + 1]
         if uniform:
             tokens = torch.cat([s.last_token[:n, None], drafts], dim=1)                # [n, gamma + 1]
@@ -201,7 +202,7 @@ class GenerateRun:
             num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions)
         else:
             hidden, logits, computed = verify_forward(self.e.target, self.cache, s.last_token[:n], drafts,
-                                                      plan.draft_len, lengths, self.e.verify_layout)
+                                                      plan.draft_len, lengths, layout)
             num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions, plan.draft_len, plan.one_hot)
         acc_list, emitted_list = num_acc.tolist(), emitted.tolist()
         t2 = time.perf_counter()
@@ -222,7 +223,7 @@ class GenerateRun:
         self.stats.observe_step(step)
         # the cost model's sample: the heads' depth as they ran (the stats keep the policy's gamma)
         sample = step if step.gamma == plan.mtp_gamma else replace(step, gamma=plan.mtp_gamma)
-        self.e.costs.record(sample, refine=self.refine, by_gamma=plan.by_gamma)
+        self.e.costs.record(sample, refine=self.refine, by_gamma=plan.by_gamma, padded=layout == "padded")
 
     def _emit(self, row: Row, tokens: list[int]) -> None:
         row.emit(tokens, self.params, self.eos, self.e.tokenizer)
