@@ -111,12 +111,11 @@ class Engine:
         held = self._caches.get(kind)
         if held is not None and held.fits(num_layers, batch, capacity, num_kv_heads, head_dim):
             return held
-        context = self.config.max_position_embeddings
+        capacity = _round_positions(capacity, self.config.max_position_embeddings)
         if held is not None and held.fits(num_layers, 1, 1, num_kv_heads, head_dim):
-            rows, positions = max(batch, held.k.shape[1]), _round_positions(max(capacity, held.capacity), context)
-            if rows * positions <= 2 * batch * _round_positions(capacity, context):   # the old one's size too,
-                batch, capacity = rows, positions                                      # where at most twice
-        capacity = _round_positions(capacity, context)
+            rows, positions = max(batch, held.k.shape[1]), max(capacity, held.capacity)
+            if rows * positions <= 2 * batch * capacity:        # the old one's size too, where at most twice
+                batch, capacity = rows, positions
         held = self._caches.pop(kind, None)
         del held                                    # freed before the new one is allocated
         self._caches[kind] = KVCache(num_layers, batch, capacity, num_kv_heads, head_dim, self.dtype, self.device)
