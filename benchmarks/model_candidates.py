@@ -60,7 +60,7 @@ def main(argv=None) -> None:
                 engines[f"lean, Vd {vd}"] = Engine.from_pretrained(path, device="cpu")
                 engines[f"lean, Vd {vd}"].heads[0].set_draft_vocab(torch.arange(vd))
             lean = engines["lean"]
-            params = sum(p.numel() for p in lean.target.parameters() if p is not lean.target.embed_t)
+            params = sum(p.numel() for n, p in lean.target.named_parameters() if not n.startswith("tied_head."))
             params += sum(p.numel() for h in lean.heads for p in h.parameters())
             costs = measure_many(engines, rows=1, ctx=64, q_max=1, reps=args.reps, draft_gammas=(1, 3),
                                  clock=time.thread_time if args.clock == "cpu" else time.perf_counter)

@@ -3,18 +3,22 @@
     python benchmarks/step_costs.py                                  # the demo model, batch 1 and 48
     python benchmarks/step_costs.py --model PATH --rows 1 48 --ctx 64 256 --threads 1
     python benchmarks/step_costs.py --compare        # lean against baseline, interleaved in one process
+    python benchmarks/step_costs.py --compare-gemm   # float16-weight GEMM against float32, likewise
 
 --compare loads the checkpoint twice: "lean" as the engine runs it, and "baseline" with this
 branch's step changes switched off (linears in the checkpoint's [out, in] layout, rotary
 computed per forward, full-vocabulary drafts), and times both in one interleaved loop.
+--compare-gemm does the same with "float32 GEMM", the engine with its CPU linears kept off
+FBGEMM's float16-weight GEMM (pipeline/model/packed.py), beside the engine as it runs.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))       # run as a script from anywhere
@@ -52,6 +56,7 @@ def main(argv=None) -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the thread's CPU time (one torch thread on a shared CPU machine)")
     ap.add_argument("--compare", action="store_true", help="also time the baseline (see above), interleaved")
+    ap.add_argument("--compare-gemm", action="store_true", help="also time float32 GEMMs (see above), interleaved")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,8 +68,13 @@ def main(argv=None) -> None:
           f"{args.stat} of {args.reps}, {args.clock} clock\n")
     stat = min if args.stat == "min" else statistics.median
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    if args.compare:
+    if args.compare or args.compare_gemm:
         engines = {"baseline": baseline_engine(args.model, args.device), "lean": engine}
+        if args.compare_gemm:
+            with mock.patch("pipeline.model.packed.fp16_gemm_works", lambda: False):
+                plain = Engine.from_pretrained(args.model, device=args.device)
+            set_draft_vocab(plain, args.draft_vocab)
+            engines = {"float32 GEMM": plain, "float16-weight GEMM": engine}
         results, names = [], []
         for r in args.rows:
             for c in args.ctx:

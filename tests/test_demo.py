@@ -156,8 +156,8 @@ def test_mtp_prompts_follow_task_shares_and_the_split():
 
 
 def test_store_stage_halves_the_weights_and_loads_in_float32(tmp_path):
-    """The build's store stage writes bfloat16 weights; both loaders compute in float32 from them
-    and agree with each other (the shipped demo is stored this way)."""
+    """The build's store stage writes bfloat16 weights that float16 holds too; both loaders
+    compute in float32 from them and agree with each other (the shipped demo is stored this way)."""
     import transformers
 
     from pipeline.demo.build import store_weights
@@ -169,6 +169,11 @@ def test_store_stage_halves_the_weights_and_loads_in_float32(tmp_path):
     store_weights(path, "bfloat16", log=lambda _: None)
     assert (path / "model.safetensors").stat().st_size < 0.6 * before
     store_weights(path, "bfloat16", log=lambda _: pytest.fail("stored twice"))   # already stored: no-op
+    from safetensors.torch import load_file
+
+    from pipeline.model.packed import fp16_exact
+    stored = load_file(str(path / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 and fp16_exact(t.float()) for t in stored.values())
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
     loaded = load_model(path)
     assert hf.dtype == torch.float32 and {p.dtype for p in loaded.target.parameters()} == {torch.float32}
@@ -215,3 +220,20 @@ def test_eval_stage_reports_at_its_gamma_and_writes_the_prior_at_gamma_max(tmp_p
     shipped = json.loads((ASSETS / "model" / "spec_prior.json").read_text())
     assert shipped["gamma"] == DEFAULT_GAMMA_MAX
     assert all(len(t["reached"]) == DEFAULT_GAMMA_MAX and min(t["reached"]) > 0 for t in shipped["tasks"].values())
+
+
+def test_storable_rounds_bfloat16_weights_to_values_float16_holds():
+    """Below 2^-14 float16's grid is coarser than bfloat16's: such weights move by at most
+    2^-25 and then survive a float16 round trip; larger ones, and tensors float16 cannot hold,
+    keep their bfloat16 values."""
+    from pipeline.demo.build import storable
+    from pipeline.model.packed import fp16_exact
+    t = torch.tensor([3.2e-6, -1.3e-7, 0.02, -0.7, 3.0])
+    assert not fp16_exact(t.to(torch.bfloat16).float())                      # the tiny ones
+    s = storable(t, torch.bfloat16)
+    assert s.dtype == torch.bfloat16 and fp16_exact(s.float())
+    assert (s.float() - t.to(torch.bfloat16).float()).abs().max() <= 2 ** -25
+    assert torch.equal(s[2:], t[2:].to(torch.bfloat16))
+    big = torch.tensor([1e5, 3.2e-6])
+    assert torch.equal(storable(big, torch.bfloat16), big.to(torch.bfloat16))
+    assert storable(t, torch.float16).dtype == torch.float16

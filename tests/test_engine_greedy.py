@@ -157,3 +157,34 @@ def test_last_policy_decisions_exist_after_a_fixed_gamma(root, gamma):
     engine.generate(random_prompts([4, 6], 128, seed=1), SamplingParams(max_new_tokens=4), gamma=gamma)
     assert list(engine.last_policy.decisions) == []
     assert engine.last_policy.max_gamma() == gamma
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, tied, monkeypatch):
+    """Weights float16 holds (the demo's store stage) run every CPU linear, the output heads and
+    the heads' draft vocabulary included, through FBGEMM's float16-weight GEMM
+    (pipeline.model.packed); greedy output is still transformers' at every gamma."""
+    import torch
+
+    from pipeline.demo.build import store_weights
+    from pipeline.model import packed
+    from pipeline.model.packed import Fp16WeightLinear, PackedLinear, fp16_gemm_works
+    from pipeline.model.tiny import make_tiny_checkpoint
+    if not fp16_gemm_works():
+        pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
+    monkeypatch.setattr(packed, "fp16_gemm_faster", lambda *shape: True)   # whatever this machine times
+    path = make_tiny_checkpoint(tmp_path / "m", arch="llama", num_mtp_layers=2, draftable=0.1,
+                                with_tokenizer=False, tie_word_embeddings=tied)
+    store_weights(path, "bfloat16", log=lambda _: None)
+    prompts = random_prompts(LENGTHS, 128, seed=2)
+    refs = hf_greedy(str(path), prompts, MAX_NEW)
+    engine = Engine.from_pretrained(str(path), device="cpu", max_batch_size=3)
+    for head in engine.heads:
+        head.set_draft_vocab(torch.arange(0, 128, 2))
+    modules = [*engine.target.modules(), *(m for h in engine.heads for m in h.modules())]
+    assert not any(isinstance(m, (PackedLinear, torch.nn.Linear)) for m in modules)
+    assert sum(isinstance(m, Fp16WeightLinear) for m in modules) == 4 * 2 + 1 + 5 * 2
+    assert all(isinstance(h.draft_head, Fp16WeightLinear) for h in engine.heads)
+    for gamma in (0, 1, 3, 5, "auto"):
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma)
+        assert [o.token_ids for o in outs] == refs, f"gamma={gamma}"

@@ -34,7 +34,7 @@ def test_loader_packs_for_inference_only(root, tied):
     assert not any(isinstance(m, PackedLinear) for m in plain.target.modules())
     assert any(isinstance(m, PackedLinear) for m in fused.target.modules())
     assert any(isinstance(m, PackedLinear) for m in fused.heads[0].modules())
-    assert (fused.target.embed_t is not None) == tied
+    assert (fused.target.tied_head is not None) == tied
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         h_plain, h_fused = plain.target.forward_full(ids), fused.target.forward_full(ids)
@@ -75,3 +75,57 @@ def test_step_split_reaches_the_shard_stats_row(root):
     assert "host_time_s" in STATS_SCHEMA.names
     row = stats_table([measured]).to_pylist()[0]
     assert row["host_time_s"] == pytest.approx(measured["host_time_s"])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp16_weight_linear_matches_linear(bias):
+    """FBGEMM's float16-weight GEMM computes a float32 linear whose weights float16 holds, to
+    float32 rounding, for any leading shape, no rows and strided inputs."""
+    from pipeline.model.packed import Fp16WeightLinear, fp16_gemm_works
+    if not fp16_gemm_works():
+        pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.half().float())
+    fast = Fp16WeightLinear(linear.weight, linear.bias)
+    for x in [torch.randn(1, 48), torch.randn(3, 5, 48), torch.randn(0, 48), torch.randn(48, 6).t()]:
+        torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_linear_takes_the_fp16_gemm_only_for_weights_float16_holds(monkeypatch):
+    from pipeline.model import packed
+    from pipeline.model.packed import Fp16WeightLinear, cpu_linear, fp16_exact, fp16_gemm_works
+    monkeypatch.setattr(packed, "fp16_gemm_faster", lambda *shape: True)
+    w = torch.randn(16, 8).half().float()
+    assert fp16_exact(w)
+    assert isinstance(cpu_linear(w), Fp16WeightLinear) == fp16_gemm_works()
+    w[3, 2] = 1 + 2 ** -12                      # float16 keeps 10 bits after the point: not held
+    assert not fp16_exact(w)
+    assert isinstance(cpu_linear(w), PackedLinear)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(cpu_linear(w)(x), x @ w.t())
+
+
+def test_cpu_linear_keeps_float32_where_this_machine_runs_it_faster(monkeypatch):
+    """The kernel is chosen by timing both on the running machine (per weight shape and thread
+    count): where FBGEMM is not clearly faster, a weight float16 holds stays PackedLinear."""
+    from pipeline.model import packed
+    seen = []
+    monkeypatch.setattr(packed, "fp16_gemm_faster", lambda *key: seen.append(key) or False)
+    w = torch.randn(16, 8).half().float()
+    assert isinstance(packed.cpu_linear(w), PackedLinear)
+    if packed.fp16_gemm_works():
+        assert seen == [(16, 8, torch.get_num_threads())]
+
+
+def test_fp16_gemm_faster_times_each_shape_once():
+    from pipeline.model.packed import fp16_gemm_faster, fp16_gemm_works
+    if not fp16_gemm_works():
+        pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
+    fp16_gemm_faster.cache_clear()
+    assert fp16_gemm_faster(24, 16, 1) in (True, False)
+    fp16_gemm_faster(24, 16, 1)
+    fp16_gemm_faster(32, 16, 1)
+    info = fp16_gemm_faster.cache_info()
+    assert (info.hits, info.misses) == (1, 2)

@@ -152,6 +152,8 @@ def store_weights(model_dir: Path, dtype: str, log=print) -> None:
     """Cast the floating-point tensors of model_dir's safetensors files to `dtype` in place.
     config.json keeps its compute dtype (float32), so transformers and the engine load the
     bfloat16 weights into float32 modules: half the bytes on disk, the same arithmetic after.
+    The values are also ones float16 holds (`storable`), so CPU inference may run them through
+    a float16-weight GEMM (pipeline.model.packed) and still compute this checkpoint.
     The eval stage runs after this one, so the reported acceptance is that of what ships."""
     import torch
     from safetensors import safe_open
@@ -161,11 +163,24 @@ def store_weights(model_dir: Path, dtype: str, log=print) -> None:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        if all(t.dtype == dt for t in tensors.values() if t.is_floating_point()):
+        stored = {k: storable(t, dt) if t.is_floating_point() else t for k, t in tensors.items()}
+        if all(torch.equal(stored[k], t) and stored[k].dtype == t.dtype for k, t in tensors.items()):
             continue
-        save_file({k: t.to(dt) if t.is_floating_point() else t for k, t in tensors.items()}, str(path),
-                  metadata=meta)
+        save_file(stored, str(path), metadata=meta)
         log(f"stored {path.name} as {dtype}: {path.stat().st_size / 2**20:.1f} MiB")
+
+
+def storable(t, dt):
+    """`t` cast to `dt`, rounded to values float16 holds as well when `dt` is bfloat16.
+
+    Both formats hold every bfloat16 value from 2^-14 up to 65,504; below 2^-14 float16's grid
+    (2^-24) is coarser than bfloat16's, so such a weight moves by at most 2^-25 (3e-8): the
+    bfloat16 3.2037e-6 becomes 3.2187e-6. A tensor with values past float16's range stays
+    plain bfloat16."""
+    import torch
+    if dt != torch.bfloat16 or t.abs().max() >= 65504:
+        return t.to(dt)
+    return t.to(torch.float16).to(torch.bfloat16)
 
 
 def write_corpus_draft_vocab(model_dir: Path, records, size: int, log=print):

@@ -24,6 +24,7 @@ from torch import nn
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
 from pipeline.model.layers import DecoderLayer, RMSNorm
+from pipeline.model.packed import cpu_linear
 from pipeline.model.target import TargetModel
 
 
@@ -46,7 +47,7 @@ class MTPHead(DecoderLayer):
         self.vocab_size = cfg.vocab_size
         self._target: TargetModel | None = None
         self.draft_ids: torch.Tensor | None = None      # [Vd] the draft vocabulary (None: all V)
-        self.draft_w_t: torch.Tensor | None = None      # [hidden, Vd] its rows of the output head
+        self.draft_head: nn.Module | None = None        # [hidden] -> [Vd]: its rows of the output head
 
     def bind(self, target: TargetModel) -> "MTPHead":
         """Share the target's embedding, output head and rotary tables (not registered as params)."""
@@ -100,17 +101,19 @@ class MTPHead(DecoderLayer):
         (logits [n, V], None) without one (pipeline.model.draft_vocab)."""
         if self.draft_ids is None:
             return self.logits(out), None
-        return (self.shared_head.norm(out) @ self.draft_w_t).float(), self.draft_ids
+        return self.draft_head(self.shared_head.norm(out)).float(), self.draft_ids
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Draft over token ids `ids` [Vd] (None: the full vocabulary). Inference only: the
         subset's output rows are copied (Vd x hidden), not tied to the trained weight."""
         if ids is None:
-            self.draft_ids = self.draft_w_t = None
+            self.draft_ids = self.draft_head = None
             return
         weight = _output_weight(self.shared_head.head if self.shared_head.head is not None else self._target)
         ids = ids.to(weight.device)
-        self.draft_ids, self.draft_w_t = ids, weight.detach()[ids].t().contiguous()
+        self.draft_ids = ids
+        # a plain attribute, not a submodule: the state dict stays the checkpoint's
+        object.__setattr__(self, "draft_head", cpu_linear(weight.detach()[ids]))
 
 
 def _output_weight(module) -> torch.Tensor:

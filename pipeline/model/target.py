@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
 from pipeline.model.layers import DecoderLayer, RMSNorm
-from pipeline.model.packed import pack_linears_
+from pipeline.model.packed import cpu_linear, pack_linears_
 
 
 class _Body(nn.Module):
@@ -30,7 +30,7 @@ class TargetModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._hf_config = hf_config
         self.rotary: nn.Module | None = None
-        self.embed_t: torch.Tensor | None = None    # [hidden, vocab]: tied output head, packed
+        self.tied_head: nn.Module | None = None     # tied output head, packed (pack_)
         self._rope_cos: torch.Tensor | None = None  # [length, head_dim] rotary tables by position
         self._rope_sin: torch.Tensor | None = None
         self.rope_table = True                      # False: rotary per forward (benchmark baseline)
@@ -40,7 +40,7 @@ class TargetModel(nn.Module):
         of the embedding; pipeline.model.packed)."""
         pack_linears_(self)
         if self.lm_head is None:
-            self.embed_t = self.model.embed_tokens.weight.detach().t().contiguous()
+            self.tied_head = cpu_linear(self.model.embed_tokens.weight)
 
     def init_rotary(self, device) -> None:
         """Rotary frequencies come from transformers' own code, so every RoPE variant matches."""
@@ -86,6 +86,6 @@ class TargetModel(nn.Module):
         """[..., hidden] -> [..., vocab] in float32."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self.embed_t is not None:
-            return (hidden @ self.embed_t).float()
+        if self.tied_head is not None:
+            return self.tied_head(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
