@@ -96,36 +96,52 @@ def test_fp16_weight_linear_matches_linear(bias):
 def test_cpu_linear_takes_the_fp16_gemm_only_for_weights_float16_holds(monkeypatch):
     from pipeline.model import packed
     from pipeline.model.packed import Fp16WeightLinear, cpu_linear, fp16_exact, fp16_gemm_works
-    monkeypatch.setattr(packed, "fp16_gemm_faster", lambda *shape: True)
+    monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *shape: 4)
     w = torch.randn(16, 8).half().float()
     assert fp16_exact(w)
     assert isinstance(cpu_linear(w), Fp16WeightLinear) == fp16_gemm_works()
     w[3, 2] = 1 + 2 ** -12                      # float16 keeps 10 bits after the point: not held
     assert not fp16_exact(w)
-    assert isinstance(cpu_linear(w), PackedLinear)
+    assert type(cpu_linear(w)) is PackedLinear
     x = torch.randn(4, 8)
     torch.testing.assert_close(cpu_linear(w)(x), x @ w.t())
 
 
 def test_cpu_linear_keeps_float32_where_this_machine_runs_it_faster(monkeypatch):
     """The kernel is chosen by timing both on the running machine (per weight shape and thread
-    count): where FBGEMM is not clearly faster, a weight float16 holds stays PackedLinear."""
+    count): where FBGEMM wins at no row count, a weight float16 holds stays PackedLinear."""
     from pipeline.model import packed
     seen = []
-    monkeypatch.setattr(packed, "fp16_gemm_faster", lambda *key: seen.append(key) or False)
+    monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *key: seen.append(key) or 0)
     w = torch.randn(16, 8).half().float()
-    assert isinstance(packed.cpu_linear(w), PackedLinear)
+    assert type(packed.cpu_linear(w)) is PackedLinear
     if packed.fp16_gemm_works():
         assert seen == [(16, 8, torch.get_num_threads())]
 
 
-def test_fp16_gemm_faster_times_each_shape_once():
-    from pipeline.model.packed import fp16_gemm_faster, fp16_gemm_works
+def test_fp16_weight_linear_hands_inputs_past_max_rows_to_float32(monkeypatch):
+    """Up to max_rows input rows (all leading dims together) FBGEMM's GEMM, beyond them the
+    float32 one: where the arithmetic, not the weight's bytes, bounds a linear."""
+    from pipeline.model.packed import Fp16WeightLinear, fp16_gemm_works
     if not fp16_gemm_works():
         pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
-    fp16_gemm_faster.cache_clear()
-    assert fp16_gemm_faster(24, 16, 1) in (True, False)
-    fp16_gemm_faster(24, 16, 1)
-    fp16_gemm_faster(32, 16, 1)
-    info = fp16_gemm_faster.cache_info()
+    calls = []
+    float32_forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: calls.append(x.shape) or float32_forward(self, x))
+    w = torch.randn(16, 8).half().float()
+    layer = Fp16WeightLinear(w, torch.randn(16), max_rows=4)
+    for x in [torch.randn(4, 8), torch.randn(2, 2, 8), torch.randn(5, 8), torch.randn(1, 6, 8)]:
+        torch.testing.assert_close(layer(x), x @ w.t() + layer.bias, rtol=1e-5, atol=1e-5)
+    assert calls == [(5, 8), (1, 6, 8)]
+
+
+def test_fp16_gemm_rows_times_each_shape_once():
+    from pipeline.model.packed import ROWS, fp16_gemm_rows, fp16_gemm_works
+    if not fp16_gemm_works():
+        pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
+    fp16_gemm_rows.cache_clear()
+    assert fp16_gemm_rows(24, 16, 1) in (0, *ROWS)
+    fp16_gemm_rows(24, 16, 1)
+    fp16_gemm_rows(32, 16, 1)
+    info = fp16_gemm_rows.cache_info()
     assert (info.hits, info.misses) == (1, 2)

@@ -6,14 +6,14 @@ for 4 rows against 0.24 ms for 1), so verifying gamma + 1 >= 4 tokens cost 1.4x 
 step. `x @ W_t` with W_t [in, out] contiguous stays flat in the rows (0.25 ms at 4, 0.28 at 8)
 and is no slower at batch 48 (docs/decisions.md, 2026-12-01): `PackedLinear`.
 
-Even so, on some CPUs MKL's float32 GEMM runs 2-16 rows at a quarter of peak: on a Zen 3
-EPYC 2 rows cost 1.9x one. FBGEMM's GEMM with float16-stored weights (products and sums in
-float32) reads half the bytes; where it wins depends on the machine, not the model. On that
-EPYC it cost 0.4-0.6x of MKL for every linear of the demo from 2 to 16 rows; on a Sapphire
-Rapids Xeon (2 MiB L2) MKL is 1.5x faster on the layers' small matrices and FBGEMM 1.5-1.9x
-faster on the 6 MiB output projection (docs/decisions.md, 2026-12-05). So `cpu_linear` times
-both kernels once per weight shape and thread count on the running machine and keeps the
-faster, FBGEMM only by a clear margin.
+Even so MKL's float32 GEMM reads 4 bytes a weight, and in a forward each weight comes from L3
+or memory (a model's weights together are far larger than a core's L2). FBGEMM's GEMM with
+float16-stored weights (products and sums in float32) reads half of that: for a few input rows,
+where a linear is bound by reading its weight, it costs 0.55-0.8x of MKL's (demo shapes, 1-8
+rows, one thread, on a Zen 3 EPYC and a Sapphire Rapids Xeon); from a few dozen rows on, where
+the arithmetic binds, MKL is 10-25% faster (docs/decisions.md, 2026-12-05). So
+`Fp16WeightLinear` keeps both and takes FBGEMM up to `max_rows` input rows, a crossover that
+`fp16_gemm_rows` measures once per weight shape and thread count on the running machine.
 
 FBGEMM is used only for a weight that float16 holds exactly (every value survives the round
 trip): then it computes the checkpoint's own linear, as a float32 kernel would, in another
@@ -43,25 +43,36 @@ class PackedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Fp16WeightLinear(nn.Module):
-    """y = x @ weight.T + bias by FBGEMM's GEMM over `weight` packed as float16, for a float32
-    weight that float16 holds exactly (`fp16_exact`). x: [..., in] float32 on CPU.
+class Fp16WeightLinear(PackedLinear):
+    """y = x @ weight.T + bias for a float32 weight [out, in] that float16 holds exactly
+    (`fp16_exact`): inputs of up to `max_rows` rows (None: any) by FBGEMM's GEMM over the
+    weight packed as float16, larger ones by `PackedLinear`'s float32 GEMM. x: [..., in] on CPU.
 
     The packed matrix is an opaque handle, not a tensor of values: it is held as a plain
     attribute (not in the state dict) and the module cannot be copied, saved or moved."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):  # weight: [out, in]
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)   # for subsets, tests
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = None):
+        super().__init__(_linear(weight, bias))
+        self.max_rows = max_rows
         self._packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight.detach().float().contiguous())
         self._bias = torch.zeros(self.out_features) if bias is None else bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.max_rows is not None and x.numel() > self.max_rows * self.in_features:
+            return super().forward(x)
         return torch.ops.aten.fbgemm_linear_fp16_weight(x, self._packed, self._bias)
 
     def __deepcopy__(self, memo):
         raise TypeError("Fp16WeightLinear holds a native packed handle; rebuild it from its weight")
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding these tensors (no copy, no initialisation)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
 
 
 def fp16_exact(weight: torch.Tensor) -> bool:
@@ -82,42 +93,47 @@ def fp16_gemm_works() -> bool:
     return y.dtype == torch.float32 and torch.allclose(y, x @ w.t(), rtol=1e-5, atol=1e-6)
 
 
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
 @functools.lru_cache(maxsize=None)
-def fp16_gemm_faster(out_features: int, in_features: int, threads: int) -> bool:
-    """Whether FBGEMM's float16-weight GEMM beats `PackedLinear`'s float32 one on this machine
-    for an [out, in] weight, by at least 10% over 1 and 4 input rows (a batch-1 decode step and
-    a short verify; from a few dozen rows on the two cost the same). The fastest of 15
-    interleaved rounds per kernel, so a busy spell of a shared machine hits both alike; a few
-    ms per shape, once per process and `threads` (torch's thread count)."""
+def fp16_gemm_rows(out_features: int, in_features: int, threads: int) -> int:
+    """Up to how many input rows FBGEMM's float16-weight GEMM beats the float32 one by 10% or
+    more for an [out, in] weight on this machine: the largest of ROWS up to which it wins at
+    every one (0: not even at 1 row). Timed as in a forward, with the weight out of L2: each
+    round runs a copy after copy of it, 16 MiB in all; per kernel the fastest of 5 interleaved
+    rounds, so a busy spell of a shared machine hits both alike. Once per process, weight shape
+    and `threads` (torch's thread count); about 0.1-0.3 s for a 256 x 6,144 weight."""
     import time
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(out_features, in_features, generator=gen) * 0.05).half().float()
-    w_t, fast = w.t().contiguous(), Fp16WeightLinear(w)
-    xs = [torch.randn(rows, in_features, generator=gen) for rows in (1, 4)]
-    reps = min(20, max(1, int(2e5 // (out_features * in_features))))    # rounds of ~0.1 ms
-    best = {"fp32": [float("inf")] * 2, "fp16": [float("inf")] * 2}
+    copies = min(64, max(2, -(-(16 << 20) // (4 * w.numel()))))
+    fp32 = [w.t().contiguous() for _ in range(copies)]
+    fp16 = [Fp16WeightLinear(w) for _ in range(copies)]
+    won = 0
     with torch.inference_mode():
-        for _ in range(15):
-            for i, x in enumerate(xs):
-                for name, fn in (("fp32", lambda: x @ w_t), ("fp16", lambda: fast(x))):
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, generator=gen)
+            best = [float("inf"), float("inf")]
+            for _ in range(5):
+                for i, run in enumerate((lambda: [x @ wt for wt in fp32], lambda: [f(x) for f in fp16])):
                     t0 = time.perf_counter()
-                    for _ in range(reps):
-                        fn()
-                    best[name][i] = min(best[name][i], time.perf_counter() - t0)
-    return sum(best["fp16"]) < 0.9 * sum(best["fp32"])
+                    run()
+                    best[i] = min(best[i], time.perf_counter() - t0)
+            if best[1] >= 0.9 * best[0]:
+                break
+            won = rows
+    return won
 
 
 def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """The faster CPU module computing x @ weight.T + bias that this weight admits on this
-    machine (see the module docstring). weight: [out, in], float32 or not."""
-    if (weight.device.type == "cpu" and fp16_exact(weight) and fp16_gemm_works()
-            and fp16_gemm_faster(*weight.shape, torch.get_num_threads())):
-        return Fp16WeightLinear(weight, bias)
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
-    return PackedLinear(linear)
+    """The CPU module computing x @ weight.T + bias fastest on this machine that this weight
+    admits (module docstring). weight: [out, in], float32 or not."""
+    if weight.device.type == "cpu" and fp16_exact(weight) and fp16_gemm_works():
+        rows = fp16_gemm_rows(*weight.shape, torch.get_num_threads())
+        if rows:
+            return Fp16WeightLinear(weight, bias, max_rows=rows)
+    return PackedLinear(_linear(weight, bias))
 
 
 def pack_linears_(module: nn.Module) -> None:
