@@ -145,3 +145,34 @@ def test_fp16_gemm_rows_times_each_shape_once():
     fp16_gemm_rows(32, 16, 1)
     info = fp16_gemm_rows.cache_info()
     assert (info.hits, info.misses) == (1, 2)
+
+
+def test_rope_with_folded_sin_is_transformers_rope_bit_for_bit():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from pipeline.model.layers import apply_rope, fold_sin
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 4, 5, 16, generator=gen), torch.randn(3, 2, 5, 16, generator=gen)
+    angles = torch.randn(3, 5, 8, generator=gen) * 10
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(apply_rope(q, cos, fold_sin(sin)), want_q)
+    assert torch.equal(apply_rope(k, cos, fold_sin(sin)), want_k)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_additive_mask_gives_the_bool_masks_attention(window):
+    """Batch.mask(window, dtype): the 0 / -inf form attention makes of the bool mask, built once
+    per forward; the same outputs, and cached per (window, dtype)."""
+    from pipeline.model.cache import Batch
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.tensor([[4, 5, 6], [2, 3, 4]])
+    valid = torch.rand(2, 7, generator=gen) > 0.3
+    batch = Batch.make(positions, kv_len=7, key_valid=valid)
+    allowed, additive = batch.mask(window), batch.mask(window, torch.float32)
+    assert additive.dtype == torch.float32 and torch.equal(additive == 0, allowed)
+    assert torch.isinf(additive[~allowed]).all() and batch.mask(window, torch.float32) is additive
+    q, k, v = (torch.randn(2, 2, s, 8, generator=gen) for s in (3, 7, 7))
+    F = torch.nn.functional
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=additive),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=allowed))

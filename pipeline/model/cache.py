@@ -23,7 +23,8 @@ class Batch:
     prefix:    True when rows == arange(n): cache reads are views, not gathers
     from_zero: every row's queries are positions 0..q-1 and the keys are exactly those: plain
                causal attention, no mask tensor (a [n, 1, q, q] mask is large for long prompts)
-    cos, sin:  [n, q, head_dim] rotary tables for `positions`, set by the model
+    cos, sin:  [n, q, head_dim] rotary tables for `positions`, set by the model (sin folded:
+               pipeline.model.layers.fold_sin)
     """
     rows: torch.Tensor
     positions: torch.Tensor
@@ -54,12 +55,20 @@ class Batch:
         batch.from_zero = True
         return batch
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
+    def mask(self, window: int | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """[n, 1, q, kv_len] bool: key j is visible to the query at position p iff j <= p,
         j > p - window (sliding layers), and key_valid allows j (or j == p). None where plain
-        causal attention says the same (`from_zero`, no window, no key_valid)."""
+        causal attention says the same (`from_zero`, no window, no key_valid). With `dtype`:
+        the additive form (0 visible, -inf not) that attention makes of a bool mask at every
+        call, made once per forward instead of once per layer (the same scores)."""
         if self.from_zero and window is None and self.key_valid is None:
             return None
+        if dtype is not None:
+            if (window, dtype) not in self._masks:
+                allowed = self.mask(window)
+                self._masks[window, dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device
+                                                         ).masked_fill_(~allowed, float("-inf"))
+            return self._masks[window, dtype]
         if window not in self._masks:
             keys = torch.arange(self.kv_len, device=self.positions.device)      # [T]
             pos = self.positions[:, :, None]                                    # [n, q, 1]

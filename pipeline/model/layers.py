@@ -2,6 +2,11 @@
 
 Attention reads and writes a `KVCache` through a `Batch` (which cache rows, which positions),
 so the same layer serves prefill, verify steps of gamma + 1 tokens, and MTP drafting.
+
+Submodules are called through `.forward`, not `nn.Module.__call__` (no hooks are used): at batch
+1 on a CPU a step is ~40 small ops a layer, and `__call__`'s 2-4 us each were 7-9% of a demo
+step (docs/decisions.md, 2026-12-05). Flags like `fused` are plain attributes for the same reason
+(`hasattr` on a missing submodule raises inside `nn.Module.__getattr__`).
 """
 from __future__ import annotations
 
@@ -27,15 +32,18 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def fold_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., head_dim] with its first half negated: the sign of transformers' `rotate_half`
+    moved into the table, so `apply_rope` needs a roll instead of a chunk, a negation and a cat."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [n, heads, q, head_dim]; cos, sin: [n, q, head_dim]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_folded: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, q, head_dim]; cos, sin_folded (`fold_sin`): [n, q, head_dim].
+    transformers' x * cos + rotate_half(x) * sin, bit for bit: rotate_half(x) = [-x2, x1], and
+    [x2, x1] * [-sin1, sin2] holds the same products."""
+    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, -1) * sin_folded.unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -48,6 +56,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
+        self.fused = False
+        self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -62,15 +72,16 @@ class Attention(nn.Module):
             if fused.bias is not None:
                 fused.bias.copy_(torch.cat([p.bias for p in parts]))
         self.qkv_proj = fused
+        self.fused = True
         del self.q_proj, self.k_proj, self.v_proj
 
     def _project(self, x: torch.Tensor, batch: Batch):
         """q [n, heads, q, d], k and v [n, kv_heads, q, d], RoPE applied to q and k."""
         n, q, _ = x.shape                                                   # x: [n, q, hidden]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if hasattr(self, "qkv_proj"):
-            qkv = self.qkv_proj(x).view(n, q, hq + 2 * hk, d)
-            if not hasattr(self, "q_norm"):                  # one RoPE call for q and k together
+        if self.fused:
+            qkv = self.qkv_proj.forward(x).view(n, q, hq + 2 * hk, d)
+            if not self.qk_norm:                             # one RoPE call for q and k together
                 qk = apply_rope(qkv[:, :, :hq + hk].transpose(1, 2), batch.cos, batch.sin)
                 return qk[:, :hq], qk[:, hq:], qkv[:, :, hq + hk:].transpose(1, 2)
             qs, ks, vs = qkv.split([hq, hk, hk], dim=2)
@@ -78,7 +89,7 @@ class Attention(nn.Module):
             qs = self.q_proj(x).view(n, q, hq, d)
             ks = self.k_proj(x).view(n, q, hk, d)
             vs = self.v_proj(x).view(n, q, hk, d)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             qs, ks = self.q_norm(qs), self.k_norm(ks)
         qs = apply_rope(qs.transpose(1, 2), batch.cos, batch.sin)
         ks = apply_rope(ks.transpose(1, 2), batch.cos, batch.sin)
@@ -92,11 +103,11 @@ class Attention(nn.Module):
         else:
             cache.write(layer, batch, ks, vs)
             keys, values = cache.read(layer, batch)                          # [n, kv_heads, T, d]
-        mask = batch.mask(self.window)
+        mask = batch.mask(self.window, qs.dtype)
         out = F.scaled_dot_product_attention(
             qs, keys, values, attn_mask=mask, is_causal=mask is None,
             enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(n, q, -1))
+        return self.o_proj.forward(out.transpose(1, 2).reshape(n, q, -1))
 
 
 class MLP(nn.Module):
@@ -105,6 +116,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.fused = False
 
     def fuse_(self) -> None:
         """Inference only: one gate|up projection instead of two."""
@@ -116,12 +128,13 @@ class MLP(nn.Module):
             if fused.bias is not None:
                 fused.bias.copy_(torch.cat([g.bias, u.bias]))
         self.gate_up_proj = fused
+        self.fused = True
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_proj"):
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+        if self.fused:
+            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+            return self.down_proj.forward(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -134,8 +147,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def block(self, x: torch.Tensor, batch: Batch, cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), batch, cache, layer)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
     forward = block
 

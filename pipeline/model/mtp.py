@@ -75,7 +75,7 @@ class MTPHead(DecoderLayer):
         target = self._target
         target.attach_rope(batch)
         emb = self.embed_tokens(next_ids) if self.embed_tokens is not None else target.embed(next_ids)
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(prev_hidden)], dim=-1))
+        x = self.eh_proj.forward(torch.cat([self.enorm.forward(emb), self.hnorm.forward(prev_hidden)], dim=-1))
         return self.block(x, batch, cache, layer)
 
     def forward_full(self, prev_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
@@ -101,7 +101,7 @@ class MTPHead(DecoderLayer):
         (logits [n, V], None) without one (pipeline.model.draft_vocab)."""
         if self.draft_ids is None:
             return self.logits(out), None
-        return self.draft_head(self.shared_head.norm(out)).float(), self.draft_ids
+        return self.draft_head.forward(self.shared_head.norm.forward(out)).float(), self.draft_ids
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Draft over token ids `ids` [Vd] (None: the full vocabulary). Inference only: the

@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
-from pipeline.model.layers import DecoderLayer, RMSNorm
+from pipeline.model.layers import DecoderLayer, RMSNorm, fold_sin
 from pipeline.model.packed import cpu_linear, pack_linears_
 
 
@@ -56,13 +56,14 @@ class TargetModel(nn.Module):
             dummy = self.model.norm.weight
             per_forward = "dynamic" in self.rotary.rope_type or self.rotary.rope_type == "longrope"
             if per_forward or torch.is_grad_enabled() or not self.rope_table:   # training: no cached inference tensors
-                batch.cos, batch.sin = self.rotary(dummy, batch.positions)      # [n, q, head_dim]
+                batch.cos, sin = self.rotary(dummy, batch.positions)            # [n, q, head_dim]
+                batch.sin = fold_sin(sin)
                 return batch
             if self._rope_cos is None or self._rope_cos.shape[0] < batch.kv_len:
                 held = 0 if self._rope_cos is None else self._rope_cos.shape[0]
                 length = max(batch.kv_len, 2 * held, 256)
                 cos, sin = self.rotary(dummy, torch.arange(length, device=dummy.device)[None])
-                self._rope_cos, self._rope_sin = cos[0], sin[0]                 # [length, head_dim]
+                self._rope_cos, self._rope_sin = cos[0], fold_sin(sin[0])       # [length, head_dim]
             batch.cos, batch.sin = self._rope_cos[batch.positions], self._rope_sin[batch.positions]
         return batch
 
@@ -74,8 +75,8 @@ class TargetModel(nn.Module):
         self.attach_rope(batch)
         x = self.embed(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, batch, cache, i)
-        return self.model.norm(x)
+            x = layer.block(x, batch, cache, i)
+        return self.model.norm.forward(x)
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal forward over whole sequences [B, T] from position 0, no cache (for training)."""
@@ -87,5 +88,5 @@ class TargetModel(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.tied_head is not None:
-            return self.tied_head(hidden).float()
+            return self.tied_head.forward(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
