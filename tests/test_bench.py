@@ -232,3 +232,26 @@ def test_gamma_policy_calls_draft_with_the_heads_alone(tmp_path, monkeypatch):
         gp.time_call(engine, cell, system, params)
     assert seen and set(seen) == {"mtp"}
     assert len(tasks) == 2 and set(tasks) == {"t"}            # the warm-up's policy and the timed auto's
+
+
+def test_transformers_decode_time_is_its_own_step_stamps(tmp_path, monkeypatch):
+    """run_transformers times decode inside the one generate call it makes (first step's end to
+    the last one's), on a clock that moves 1 s a reading: a separately timed prefill no longer
+    enters the decode time, and the tokens counted are those after each row's first."""
+    import itertools
+
+    import transformers
+
+    from pipeline.bench import systems
+    from pipeline.engine.params import SamplingParams
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(str(tmp_path / "m"), arch="llama")).eval()
+    ticks = itertools.count()
+    monkeypatch.setattr(systems.time, "perf_counter", lambda: float(next(ticks)))
+    calls, real = [], model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    m = systems.run_transformers(model, [[3, 4, 5], [6, 7]], params, pad_id=0, eos_ids=())
+    assert len(calls) == 1
+    assert m.decode_tokens == 2 * 4                 # 5 new tokens a row, the first from prefill
+    assert m.decode_s == 4.0 and m.token_latency_s == [1.0] * 4      # 5 stamps, one reading each
+    assert m.prefill_s == 1.0                       # t0, then the first stamp

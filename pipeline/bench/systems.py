@@ -1,9 +1,11 @@
 """The systems under test, each measured the same way: decode only.
 
 Decode time excludes prefill (reported apart): for the engine, the generate wall time less its
-prefill records; for transformers, a full generate less a generate of one new token (prefill
-plus the first token). Decode tokens are the generated tokens after each row's first, which
-comes from prefill in both. Per-token latency is the time per decode step divided by the
+prefill records; for transformers, the time from its first decode step's end (prefill plus the
+first token) to its last one's, stamped by a stopping criterion in the same call. Decode tokens
+are the generated tokens after those of the first step (each row's first token, which comes from
+prefill in both). Subtracting a separately timed prefill instead read 320-4,600 tok/s for one
+summarize batch-32 call whose decode was 1 s beside a 1.5 s prefill (docs/decisions.md, 2026-12-05). Per-token latency is the time per decode step divided by the
 tokens one row gets from that step (1 for plain decoding, the acceptance length with drafts).
 """
 from __future__ import annotations
@@ -51,13 +53,16 @@ def run_engine(engine, prompts, params, gamma, roofline=None, draft: str = "auto
 
 
 class _StepClock:
-    """A stopping criterion that never stops and timestamps every decode step."""
+    """A stopping criterion that never stops and timestamps every decode step, with the
+    sequence length it has reached (a prompt-lookup step can add several tokens)."""
 
     def __init__(self):
         self.times: list[float] = []
+        self.lengths: list[int] = []
 
     def __call__(self, input_ids, scores, **kwargs):
         self.times.append(time.perf_counter())
+        self.lengths.append(input_ids.shape[1])
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -87,16 +92,11 @@ def run_transformers(model, prompts: list[list[int]], params, pad_id: int, eos_i
         kwargs.update(do_sample=False)
     if lookup:
         kwargs["prompt_lookup_num_tokens"] = lookup
-    torch.manual_seed(params.seed)
-    _sync(device)
-    t0 = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, **kwargs)
-    _sync(device)
-    prefill = time.perf_counter() - t0
     if params.ignore_eos:           # every row generates max_new_tokens, as the engine's do
         kwargs["min_new_tokens"] = params.max_new_tokens
     clock = _StepClock()
     torch.manual_seed(params.seed)
+    _sync(device)
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=params.max_new_tokens, stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
     _sync(device)
@@ -109,10 +109,13 @@ def run_transformers(model, prompts: list[list[int]], params, pad_id: int, eos_i
         if eos_ids:
             finished |= torch.isin(new[:, j], torch.tensor(list(eos_ids), device=new.device))
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    first = clock.lengths[0] - ids.shape[1] if clock.lengths else 1     # tokens a row got from the first step
     if lookup and steps:       # a lookup step can emit several tokens: spread the time over them
-        per_step = (new.shape[1] - 1) / max(len(steps), 1)
+        per_step = (new.shape[1] - first) / max(len(steps), 1)
         steps = [s / per_step for s in steps]
-    return Measurement(generated - len(prompts), max(wall - prefill, 1e-9), prefill, steps)
+    prefill = clock.times[0] - t0 if clock.times else wall
+    decode = clock.times[-1] - clock.times[0] if clock.times else 0.0
+    return Measurement(max(generated - first * len(prompts), 0), max(decode, 1e-9), prefill, steps)
 
 
 def merged(parts: list[Measurement]) -> Measurement:
