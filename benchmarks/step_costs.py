@@ -69,12 +69,13 @@ def main(argv=None) -> None:
     stat = min if args.stat == "min" else statistics.median
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.compare or args.compare_gemm:
-        engines = {"baseline": baseline_engine(args.model, args.device), "lean": engine}
         if args.compare_gemm:
             with mock.patch("pipeline.model.packed.fp16_gemm_works", lambda: False):
                 plain = Engine.from_pretrained(args.model, device=args.device)
             set_draft_vocab(plain, args.draft_vocab)
             engines = {"float32 GEMM": plain, "float16-weight GEMM": engine}
+        else:
+            engines = {"baseline": baseline_engine(args.model, args.device), "lean": engine}
         results, names = [], []
         for r in args.rows:
             for c in args.ctx:

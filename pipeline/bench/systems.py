@@ -5,8 +5,9 @@ prefill records; for transformers, the time from its first decode step's end (pr
 first token) to its last one's, stamped by a stopping criterion in the same call. Decode tokens
 are the generated tokens after those of the first step (each row's first token, which comes from
 prefill in both). Subtracting a separately timed prefill instead read 320-4,600 tok/s for one
-summarize batch-32 call whose decode was 1 s beside a 1.5 s prefill (docs/decisions.md, 2026-12-05). Per-token latency is the time per decode step divided by the
-tokens one row gets from that step (1 for plain decoding, the acceptance length with drafts).
+summarize batch-32 call whose decode was 1 s beside a 1.5 s prefill (docs/decisions.md,
+2026-12-05). Per-token latency is the time per decode step divided by the tokens one row gets
+from that step (1 for plain decoding, the acceptance length with drafts).
 """
 from __future__ import annotations
 

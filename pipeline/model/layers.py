@@ -3,10 +3,11 @@
 Attention reads and writes a `KVCache` through a `Batch` (which cache rows, which positions),
 so the same layer serves prefill, verify steps of gamma + 1 tokens, and MTP drafting.
 
-Submodules are called through `.forward`, not `nn.Module.__call__` (no hooks are used): at batch
-1 on a CPU a step is ~40 small ops a layer, and `__call__`'s 2-4 us each were 7-9% of a demo
-step (docs/decisions.md, 2026-12-05). Flags like `fused` are plain attributes for the same reason
-(`hasattr` on a missing submodule raises inside `nn.Module.__getattr__`).
+The inference path (fused projections) calls submodules through `.forward`, not
+`nn.Module.__call__` (no hooks are used): at batch 1 on a CPU a step is ~40 small ops a layer,
+and `__call__`'s 2-4 us each were 7-9% of a demo step (docs/decisions.md, 2026-12-05). Flags
+like `fused` are plain attributes for the same reason (`hasattr` on a missing submodule raises
+inside `nn.Module.__getattr__`).
 """
 from __future__ import annotations
 

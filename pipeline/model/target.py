@@ -86,7 +86,7 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in float32."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head.forward(hidden).float()
         if self.tied_head is not None:
             return self.tied_head.forward(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
