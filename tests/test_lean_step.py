@@ -147,6 +147,17 @@ def test_fp16_gemm_rows_times_each_shape_once():
     assert (info.hits, info.misses) == (1, 2)
 
 
+def test_fp16_gemm_crossover_needs_a_clear_win_at_one_row_then_parity():
+    """FBGEMM is taken for a weight only where it wins clearly at one row, and then up to the
+    last row count where it is no slower: a 10% margin past one row put the demo's q|k|v
+    crossover at 4 rows in one process and 8 in the next (a 6-token verify changed kernel)."""
+    from pipeline.model.packed import crossover
+    assert crossover({1: (10.0, 7.0), 2: (11.0, 8.0), 4: (12.0, 12.5)}) == 2
+    assert crossover({1: (10.0, 8.0), 2: (10.0, 9.8), 4: (10.0, 9.9), 8: (10.0, 10.1)}) == 4
+    assert crossover({1: (10.0, 9.5), 2: (11.0, 5.0)}) == 0          # at one row only 5% ahead
+    assert crossover({1: (10.0, 7.0), 2: (11.0, 8.0)}) == 2          # won every row measured
+
+
 def test_rope_with_folded_sin_is_transformers_rope_bit_for_bit():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

@@ -94,23 +94,42 @@ def fp16_gemm_works() -> bool:
 
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+FIRST_GAIN = 0.9        # at one row FBGEMM must take at most this share of the float32 time ...
+LATER_GAIN = 1.0        # ... and at more rows no more than it
+
+
+def crossover(times: dict) -> int:
+    """The `max_rows` for FBGEMM from measured seconds {rows: (float32, float16-weight)}: the
+    largest row count up to which it wins at every one measured. Winning at one row means
+    FIRST_GAIN (a second, packed copy of the weight is worth it only for a clear gain); beyond,
+    no slower (LATER_GAIN). Parity, not a margin, past one row: its lead shrinks with the rows
+    (0.67-0.83x at 8 rows on the demo's shapes), and a 10% margin there put a shape's crossover
+    at 4 in one process and 8 in the next, so a 6-token verify ran another kernel per load
+    (docs/decisions.md, stop 48). Example: {1: (10, 7), 2: (11, 8), 4: (12, 12.5)} -> 2."""
+    won = 0
+    for rows in sorted(times):
+        fp32, fp16 = times[rows]
+        if fp16 >= (FIRST_GAIN if rows == 1 else LATER_GAIN) * fp32:
+            break
+        won = rows
+    return won
 
 
 @functools.lru_cache(maxsize=None)
 def fp16_gemm_rows(out_features: int, in_features: int, threads: int) -> int:
-    """Up to how many input rows FBGEMM's float16-weight GEMM beats the float32 one by 10% or
-    more for an [out, in] weight on this machine: the largest of ROWS up to which it wins at
-    every one (0: not even at 1 row). Timed as in a forward, with the weight out of L2: each
-    round runs a copy after copy of it, 16 MiB in all; per kernel the fastest of 5 interleaved
-    rounds, so a busy spell of a shared machine hits both alike. Once per process, weight shape
-    and `threads` (torch's thread count); about 0.1-0.3 s for a 256 x 6,144 weight."""
+    """Up to how many input rows FBGEMM's float16-weight GEMM is to be used for an [out, in]
+    weight on this machine (`crossover` of its timings at ROWS, stopping at the first row count
+    it loses). Timed as in a forward, with the weight out of L2: each round runs a copy after
+    copy of it, 16 MiB in all; per kernel the fastest of 5 interleaved rounds, so a busy spell
+    of a shared machine hits both alike. Once per process, weight shape and `threads` (torch's
+    thread count); about 0.1-0.3 s for a 256 x 6,144 weight."""
     import time
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(out_features, in_features, generator=gen) * 0.05).half().float()
     copies = min(64, max(2, -(-(16 << 20) // (4 * w.numel()))))
     fp32 = [w.t().contiguous() for _ in range(copies)]
     fp16 = [Fp16WeightLinear(w) for _ in range(copies)]
-    won = 0
+    times = {}
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, in_features, generator=gen)
@@ -120,10 +139,10 @@ def fp16_gemm_rows(out_features: int, in_features: int, threads: int) -> int:
                     t0 = time.perf_counter()
                     run()
                     best[i] = min(best[i], time.perf_counter() - t0)
-            if best[1] >= 0.9 * best[0]:
+            times[rows] = tuple(best)
+            if crossover(times) < rows:
                 break
-            won = rows
-    return won
+    return crossover(times)
 
 
 def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
