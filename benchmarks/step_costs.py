@@ -4,12 +4,15 @@
     python benchmarks/step_costs.py --model PATH --rows 1 48 --ctx 64 256 --threads 1
     python benchmarks/step_costs.py --compare        # lean against baseline, interleaved in one process
     python benchmarks/step_costs.py --compare-gemm   # float16-weight GEMM against float32, likewise
+    python benchmarks/step_costs.py --compare-kernel # native float16-weight GEMM against FBGEMM's
 
 --compare loads the checkpoint twice: "lean" as the engine runs it, and "baseline" with this
 branch's step changes switched off (linears in the checkpoint's [out, in] layout, rotary
 computed per forward, full-vocabulary drafts), and times both in one interleaved loop.
 --compare-gemm does the same with "float32 GEMM", the engine with its CPU linears kept off
 FBGEMM's float16-weight GEMM (pipeline/model/packed.py), beside the engine as it runs.
+--compare-kernel: the engine with FBGEMM's float16-weight GEMM where it runs the native
+half_gemm (pipeline/model/native.py), beside the engine as it runs.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ def main(argv=None) -> None:
                     help="cpu: the thread's CPU time (one torch thread on a shared CPU machine)")
     ap.add_argument("--compare", action="store_true", help="also time the baseline (see above), interleaved")
     ap.add_argument("--compare-gemm", action="store_true", help="also time float32 GEMMs (see above), interleaved")
+    ap.add_argument("--compare-kernel", action="store_true",
+                    help="also time FBGEMM's float16-weight GEMM in place of the native one (see above), interleaved")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,8 +73,13 @@ def main(argv=None) -> None:
           f"{args.stat} of {args.reps}, {args.clock} clock\n")
     stat = min if args.stat == "min" else statistics.median
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    if args.compare or args.compare_gemm:
-        if args.compare_gemm:
+    if args.compare or args.compare_gemm or args.compare_kernel:
+        if args.compare_kernel:
+            with mock.patch("pipeline.model.packed.fp16_kernel", lambda: "fbgemm"):
+                fbgemm = Engine.from_pretrained(args.model, device=args.device)
+            set_draft_vocab(fbgemm, args.draft_vocab)
+            engines = {"FBGEMM float16": fbgemm, "native float16": engine}
+        elif args.compare_gemm:
             with mock.patch("pipeline.model.packed.fp16_gemm_works", lambda: False):
                 plain = Engine.from_pretrained(args.model, device=args.device)
             set_draft_vocab(plain, args.draft_vocab)

@@ -159,21 +159,25 @@ def test_last_policy_decisions_exist_after_a_fixed_gamma(root, gamma):
     assert engine.last_policy.max_gamma() == gamma
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, tied, monkeypatch):
+@pytest.mark.parametrize("tied,kernel", [(False, "fbgemm"), (True, "fbgemm"), (False, "native"), (True, "native")])
+def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, tied, kernel, monkeypatch):
     """Weights float16 holds (the demo's store stage) run every CPU linear, the output heads and
-    the heads' draft vocabulary included, through FBGEMM's float16-weight GEMM
-    (pipeline.model.packed) up to 2 input rows and the float32 GEMM above; greedy output is
-    still transformers' at every gamma."""
+    the heads' draft vocabulary included, through a float16-weight GEMM (pipeline.model.packed:
+    FBGEMM's up to 2 input rows, or the native half_gemm up to 8, one pass of 6 rows and one of
+    the rest) and the float32 GEMM above; greedy output is still transformers' at every gamma."""
     import torch
 
     from pipeline.demo.build import store_weights
-    from pipeline.model import packed
+    from pipeline.model import native, packed
     from pipeline.model.packed import Fp16WeightLinear, PackedLinear, fp16_gemm_works
     from pipeline.model.tiny import make_tiny_checkpoint
-    if not fp16_gemm_works():
+    if kernel == "native" and native.library() is None:
+        pytest.skip("the native half_gemm does not build on this machine")
+    if kernel == "fbgemm" and not fp16_gemm_works():
         pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
-    monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *shape: 2)   # whatever this machine times
+    monkeypatch.setattr(packed, "fp16_kernel", lambda: kernel)
+    rows = 2 if kernel == "fbgemm" else 8
+    monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *shape: rows)   # whatever this machine times
     path = make_tiny_checkpoint(tmp_path / "m", arch="llama", num_mtp_layers=2, draftable=0.1,
                                 with_tokenizer=False, tie_word_embeddings=tied)
     store_weights(path, "bfloat16", log=lambda _: None)
@@ -186,6 +190,7 @@ def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, t
     assert not any(type(m) in (PackedLinear, torch.nn.Linear) for m in modules)
     assert sum(isinstance(m, Fp16WeightLinear) for m in modules) == 4 * 2 + 1 + 5 * 2
     assert all(isinstance(h.draft_head, Fp16WeightLinear) for h in engine.heads)
+    assert {m.kernel for m in modules if isinstance(m, Fp16WeightLinear)} == {kernel}
     for gamma in (0, 1, 3, 5, "auto"):
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma)
         assert [o.token_ids for o in outs] == refs, f"gamma={gamma}"

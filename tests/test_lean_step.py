@@ -77,20 +77,93 @@ def test_step_split_reaches_the_shard_stats_row(root):
     assert row["host_time_s"] == pytest.approx(measured["host_time_s"])
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fp16_weight_linear_matches_linear(bias):
-    """FBGEMM's float16-weight GEMM computes a float32 linear whose weights float16 holds, to
-    float32 rounding, for any leading shape, no rows and strided inputs."""
-    from pipeline.model.packed import Fp16WeightLinear, fp16_gemm_works
-    if not fp16_gemm_works():
+def _kernel_or_skip(kernel):
+    from pipeline.model import native
+    if kernel == "native" and native.library() is None:
+        pytest.skip("the native half_gemm does not build on this machine")
+    if kernel == "fbgemm" and not hasattr(torch.ops.aten, "fbgemm_linear_fp16_weight"):
         pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp16_weight_linear_matches_linear(bias, kernel):
+    """A float16-weight GEMM computes a float32 linear whose weights float16 holds, to float32
+    rounding, for any leading shape, no rows and strided inputs."""
+    from pipeline.model.packed import Fp16WeightLinear
+    _kernel_or_skip(kernel)
     torch.manual_seed(0)
     linear = nn.Linear(48, 80, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(linear.weight.half().float())
-    fast = Fp16WeightLinear(linear.weight, linear.bias)
+    fast = Fp16WeightLinear(linear.weight, linear.bias, kernel=kernel)
     for x in [torch.randn(1, 48), torch.randn(3, 5, 48), torch.randn(0, 48), torch.randn(48, 6).t()]:
         torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_half_gemm_is_the_float32_linear_at_every_row_count_and_panel_edge(bias):
+    """half_gemm against float64 math: outputs that fill no panel, one, and a panel and a bit
+    (64 columns a panel), and 1-13 rows (passes of 6 and a rest)."""
+    from pipeline.model import native
+    _kernel_or_skip("native")
+    gen = torch.Generator().manual_seed(0)
+    for n, k in [(5, 3), (64, 32), (130, 40)]:
+        w = torch.randn(n, k, generator=gen).half().float()
+        b = torch.randn(n, generator=gen) if bias else None
+        packed, padded = native.pack(w), native.pad_bias(b, n)
+        for m in range(1, 14):
+            x = torch.randn(m, k, generator=gen)
+            want = x.double() @ w.double().t() + (0 if b is None else b.double())
+            torch.testing.assert_close(native.linear(x, packed, padded, n).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_native_half_gemm_builds_once_per_source_and_machine(tmp_path, monkeypatch):
+    """The library is compiled into the cache folder once; a second build loads that file."""
+    import subprocess
+
+    from pipeline.model import native
+    _kernel_or_skip("native")
+    compiles = []
+    run = subprocess.run
+
+    def counted(cmd, **kw):
+        if "-o" in cmd:
+            compiles.append(cmd)
+        return run(cmd, **kw)
+    monkeypatch.setattr(native.subprocess, "run", counted)
+    first = native.build(tmp_path)
+    assert first is not None and first.parent == tmp_path and len(compiles) == 1
+    assert native.build(tmp_path) == first and len(compiles) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]       # no temporary left behind
+
+
+def test_without_the_native_kernel_the_fp16_linears_take_fbgemm(monkeypatch):
+    """SPECBATCH_NATIVE=0 (or no compiler, no AVX-512) leaves torch's kernels."""
+    from pipeline.model import native, packed
+    monkeypatch.setenv("SPECBATCH_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert native.library() is None and packed.fp16_kernel() == "fbgemm"
+        w = torch.randn(16, 8).half().float()
+        assert packed.Fp16WeightLinear(w).kernel == "fbgemm"
+    finally:
+        monkeypatch.delenv("SPECBATCH_NATIVE")
+        native.library.cache_clear()
+
+
+def test_the_native_kernel_is_taken_on_one_torch_thread_only():
+    """half_gemm is single-threaded: with more torch threads the linears keep FBGEMM's GEMM."""
+    from pipeline.model import native, packed
+    _kernel_or_skip("native")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert packed.fp16_kernel() == "native"
+        torch.set_num_threads(2)
+        assert packed.fp16_kernel() == "fbgemm"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_cpu_linear_takes_the_fp16_gemm_only_for_weights_float16_holds(monkeypatch):
@@ -116,7 +189,7 @@ def test_cpu_linear_keeps_float32_where_this_machine_runs_it_faster(monkeypatch)
     w = torch.randn(16, 8).half().float()
     assert type(packed.cpu_linear(w)) is PackedLinear
     if packed.fp16_gemm_works():
-        assert seen == [(16, 8, torch.get_num_threads())]
+        assert seen == [(16, 8, torch.get_num_threads(), packed.fp16_kernel())]
 
 
 def test_fp16_weight_linear_hands_inputs_past_max_rows_to_float32(monkeypatch):
@@ -136,11 +209,12 @@ def test_fp16_weight_linear_hands_inputs_past_max_rows_to_float32(monkeypatch):
 
 
 def test_fp16_gemm_rows_times_each_shape_once():
+    from pipeline.model.native import ROWS as NATIVE_ROWS
     from pipeline.model.packed import ROWS, fp16_gemm_rows, fp16_gemm_works
     if not fp16_gemm_works():
-        pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
+        pytest.skip("this machine has no float16-weight GEMM")
     fp16_gemm_rows.cache_clear()
-    assert fp16_gemm_rows(24, 16, 1) in (0, *ROWS)
+    assert fp16_gemm_rows(24, 16, 1) in (0, NATIVE_ROWS, *ROWS)
     fp16_gemm_rows(24, 16, 1)
     fp16_gemm_rows(32, 16, 1)
     info = fp16_gemm_rows.cache_info()
@@ -156,6 +230,14 @@ def test_fp16_gemm_crossover_needs_a_clear_win_at_one_row_then_parity():
     assert crossover({1: (10.0, 8.0), 2: (10.0, 9.8), 4: (10.0, 9.9), 8: (10.0, 10.1)}) == 4
     assert crossover({1: (10.0, 9.5), 2: (11.0, 5.0)}) == 0          # at one row only 5% ahead
     assert crossover({1: (10.0, 7.0), 2: (11.0, 8.0)}) == 2          # won every row measured
+
+
+def test_fp16_gemm_crossover_above_a_floor():
+    """The native kernel is taken up to its rows per pass untimed (`floor`); above, parity."""
+    from pipeline.model.packed import crossover
+    assert crossover({8: (10.0, 10.5)}, floor=6) == 6
+    assert crossover({8: (10.0, 9.9), 16: (10.0, 10.5)}, floor=6) == 8
+    assert crossover({}, floor=6) == 6
 
 
 def test_rope_with_folded_sin_is_transformers_rope_bit_for_bit():

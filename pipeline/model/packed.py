@@ -14,6 +14,9 @@ rows, one thread, on a Zen 3 EPYC and a Sapphire Rapids Xeon); from a few dozen 
 the arithmetic binds, MKL is 10-25% faster (docs/decisions.md, 2026-12-05). So
 `Fp16WeightLinear` keeps both and takes FBGEMM up to `max_rows` input rows, a crossover that
 `fp16_gemm_rows` measures once per weight shape and thread count on the running machine.
+With one torch thread, where it builds (a C compiler, AVX-512), the float16 GEMM is the
+project's own `half_gemm` (pipeline/model/native.py): one pass over the weight for up to 6
+rows, so a 6-token verify's linears cost about what a 1-token step's do; FBGEMM's otherwise.
 
 FBGEMM is used only for a weight that float16 holds exactly (every value survives the round
 trip): then it computes the checkpoint's own linear, as a float32 kernel would, in another
@@ -27,6 +30,8 @@ import functools
 
 import torch
 from torch import nn
+
+from pipeline.model import native
 
 
 class PackedLinear(nn.Module):
@@ -45,25 +50,44 @@ class PackedLinear(nn.Module):
 
 class Fp16WeightLinear(PackedLinear):
     """y = x @ weight.T + bias for a float32 weight [out, in] that float16 holds exactly
-    (`fp16_exact`): inputs of up to `max_rows` rows (None: any) by FBGEMM's GEMM over the
-    weight packed as float16, larger ones by `PackedLinear`'s float32 GEMM. x: [..., in] on CPU.
+    (`fp16_exact`): inputs of up to `max_rows` rows (None: any) by a GEMM over the weight stored
+    as float16, larger ones by `PackedLinear`'s float32 GEMM. x: [..., in] on CPU. The float16
+    GEMM (`kernel`) is this project's `half_gemm` where it builds on this machine
+    (pipeline/model/native.py), else FBGEMM's.
 
-    The packed matrix is an opaque handle, not a tensor of values: it is held as a plain
-    attribute (not in the state dict) and the module cannot be copied, saved or moved."""
+    The packed weight is a kernel's own layout (FBGEMM's an opaque native handle): it is held as
+    a plain attribute (not in the state dict) and the module cannot be copied, saved or moved."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = None,
+                 kernel: str | None = None):
         super().__init__(_linear(weight, bias))
         self.max_rows = max_rows
-        self._packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight.detach().float().contiguous())
-        self._bias = torch.zeros(self.out_features) if bias is None else bias.detach().float().clone()
+        self.kernel = kernel or fp16_kernel()
+        if self.kernel == "native":
+            self._native = native.library()
+            self._packed = native.pack(weight)
+            self._bias = native.pad_bias(bias, self.out_features)
+            self._ptrs = (self._packed.data_ptr(), None if self._bias is None else self._bias.data_ptr())
+        else:
+            self._packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight.detach().float().contiguous())
+            self._bias = torch.zeros(self.out_features) if bias is None else bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.max_rows is not None and x.numel() > self.max_rows * self.in_features:
             return super().forward(x)
+        if self.kernel == "native" and x.dtype == torch.float32:     # native.linear, inlined: ~4 us a call less
+            x = x if x.is_contiguous() else x.contiguous()
+            y = x.new_empty(x.shape[:-1] + (self.out_features,))
+            rows = x.numel() // self.in_features
+            if rows:
+                self._native(rows, self.in_features, self.out_features, x.data_ptr(), *self._ptrs, y.data_ptr())
+            return y
+        if self.kernel == "native":
+            return native.linear(x, self._packed, self._bias, self.out_features, self._native)
         return torch.ops.aten.fbgemm_linear_fp16_weight(x, self._packed, self._bias)
 
     def __deepcopy__(self, memo):
-        raise TypeError("Fp16WeightLinear holds a native packed handle; rebuild it from its weight")
+        raise TypeError("Fp16WeightLinear holds a packed weight; rebuild it from its weight")
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -80,10 +104,19 @@ def fp16_exact(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and bool(torch.equal(weight.half().float(), weight))
 
 
+def fp16_kernel() -> str:
+    """The float16-weight GEMM for linears loaded now: "native" (half_gemm) where it builds and
+    torch runs one thread, else "fbgemm". half_gemm is single-threaded: with more torch threads
+    the engine keeps the kernels that use them (one thread is what the benchmarks and a
+    one-CPU actor run)."""
+    return "native" if torch.get_num_threads() == 1 and native.library() is not None else "fbgemm"
+
+
 @functools.lru_cache(maxsize=1)
 def fp16_gemm_works() -> bool:
-    """FBGEMM's float16-weight GEMM is in this torch build, runs on this CPU and gives float32
-    results within rounding of a float32 matmul (checked once per process)."""
+    """A float16-weight GEMM (`fp16_kernel`) runs on this CPU and gives float32 results within
+    rounding of a float32 matmul (checked once per process; FBGEMM may be missing from a torch
+    build)."""
     try:
         w = torch.arange(-12, 12, dtype=torch.float32).reshape(6, 4) / 8       # float16 values
         x = torch.linspace(-1, 1, 12).reshape(3, 4)
@@ -98,40 +131,51 @@ FIRST_GAIN = 0.9        # at one row FBGEMM must take at most this share of the 
 LATER_GAIN = 1.0        # ... and at more rows no more than it
 
 
-def crossover(times: dict) -> int:
-    """The `max_rows` for FBGEMM from measured seconds {rows: (float32, float16-weight)}: the
-    largest row count up to which it wins at every one measured. Winning at one row means
-    FIRST_GAIN (a second, packed copy of the weight is worth it only for a clear gain); beyond,
-    no slower (LATER_GAIN). Parity, not a margin, past one row: its lead shrinks with the rows
+def crossover(times: dict, floor: int = 0) -> int:
+    """The `max_rows` for the float16-weight GEMM from measured seconds {rows: (float32,
+    float16-weight)}: the largest row count up to which it wins at every one measured above
+    `floor` (rows up to `floor` count as won). The first win must be clear, FIRST_GAIN (a
+    second, packed copy of the weight is worth it only for a clear gain); later ones no slower
+    (LATER_GAIN). Parity, not a margin, after the first: the lead shrinks with the rows
     (0.67-0.83x at 8 rows on the demo's shapes), and a 10% margin there put a shape's crossover
     at 4 in one process and 8 in the next, so a 6-token verify ran another kernel per load
-    (docs/decisions.md, stop 48). Example: {1: (10, 7), 2: (11, 8), 4: (12, 12.5)} -> 2."""
-    won = 0
+    (docs/decisions.md, stop 48). Example: {1: (10, 7), 2: (11, 8), 4: (12, 12.5)} -> 2;
+    {8: (10, 10.5)} with floor 6 -> 6."""
+    won = floor
     for rows in sorted(times):
+        if rows <= floor:
+            continue
         fp32, fp16 = times[rows]
-        if fp16 >= (FIRST_GAIN if rows == 1 else LATER_GAIN) * fp32:
+        if fp16 >= (FIRST_GAIN if won == 0 else LATER_GAIN) * fp32:
             break
         won = rows
     return won
 
 
 @functools.lru_cache(maxsize=None)
-def fp16_gemm_rows(out_features: int, in_features: int, threads: int) -> int:
-    """Up to how many input rows FBGEMM's float16-weight GEMM is to be used for an [out, in]
-    weight on this machine (`crossover` of its timings at ROWS, stopping at the first row count
-    it loses). Timed as in a forward, with the weight out of L2: each round runs a copy after
-    copy of it, 16 MiB in all; per kernel the fastest of 5 interleaved rounds, so a busy spell
-    of a shared machine hits both alike. Once per process, weight shape and `threads` (torch's
-    thread count); about 0.1-0.3 s for a 256 x 6,144 weight."""
+def fp16_gemm_rows(out_features: int, in_features: int, threads: int, kernel: str | None = None) -> int:
+    """Up to how many input rows the float16-weight GEMM (`fp16_kernel`) is to be used for an
+    [out, in] weight on this machine: `crossover` of its timings at ROWS, stopping at the first
+    row count it loses. Timed as in a forward, with the weight out of L2: each round runs a copy
+    after copy of it, 16 MiB in all; per kernel the fastest of 5 interleaved rounds, so a busy
+    spell of a shared machine hits both alike. Once per process, weight shape and `threads`
+    (torch's thread count) and `kernel` (default `fp16_kernel()`); about 0.1-0.3 s for a
+    256 x 6,144 weight.
+
+    The native kernel is taken up to native.ROWS rows (one pass over a weight of half the bytes)
+    without timing: this timing at 1-4 rows, each weight copy warm in L3, flipped between
+    kernels from one process to the next on small weights, where in a model's forward the native
+    kernel won at every width (docs/decisions.md, stop 49). Above, it is timed like FBGEMM."""
     import time
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(out_features, in_features, generator=gen) * 0.05).half().float()
     copies = min(64, max(2, -(-(16 << 20) // (4 * w.numel()))))
     fp32 = [w.t().contiguous() for _ in range(copies)]
-    fp16 = [Fp16WeightLinear(w) for _ in range(copies)]
+    fp16 = [Fp16WeightLinear(w, kernel=kernel) for _ in range(copies)]
+    floor = native.ROWS if fp16[0].kernel == "native" else 0
     times = {}
     with torch.inference_mode():
-        for rows in ROWS:
+        for rows in (r for r in ROWS if r > floor):
             x = torch.randn(rows, in_features, generator=gen)
             best = [float("inf"), float("inf")]
             for _ in range(5):
@@ -140,18 +184,19 @@ def fp16_gemm_rows(out_features: int, in_features: int, threads: int) -> int:
                     run()
                     best[i] = min(best[i], time.perf_counter() - t0)
             times[rows] = tuple(best)
-            if crossover(times) < rows:
+            if crossover(times, floor) < rows:
                 break
-    return crossover(times)
+    return crossover(times, floor)
 
 
 def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
     """The CPU module computing x @ weight.T + bias fastest on this machine that this weight
     admits (module docstring). weight: [out, in], float32 or not."""
     if weight.device.type == "cpu" and fp16_exact(weight) and fp16_gemm_works():
-        rows = fp16_gemm_rows(*weight.shape, torch.get_num_threads())
+        kernel = fp16_kernel()
+        rows = fp16_gemm_rows(*weight.shape, torch.get_num_threads(), kernel)
         if rows:
-            return Fp16WeightLinear(weight, bias, max_rows=rows)
+            return Fp16WeightLinear(weight, bias, max_rows=rows, kernel=kernel)
     return PackedLinear(_linear(weight, bias))
 
 

@@ -1,0 +1,149 @@
+"""A C kernel for a CPU linear over a few rows with float16-stored weights (half_gemm.c).
+
+At batch 1 a CPU step's linears are bound by reading their weights, and verifying 6 tokens cost
+1.5-2.2x one token in torch's kernels (MKL float32, FBGEMM float16), so a speculative step paid
+for its width. `half_gemm` reads each weight once for up to 6 rows and prefetches ahead: on the
+demo's shapes (one thread, weights cycled out of L2) 6 rows cost 1.0-1.2x one row, and 0.5-0.8x
+FBGEMM's time (docs/decisions.md, stop 49).
+
+The source is compiled on first use with the machine's C compiler (`cc`, or $CC) for this CPU
+(-march=native) into a cache folder ($SPECBATCH_CACHE, else ~/.cache/specbatch), keyed by the
+source, the compiler and the CPU's flags; later processes load it (~1 s the first time). Where
+there is no compiler, no AVX-512, the build fails or the result disagrees with float64 math,
+`library()` is None and the engine keeps torch's kernels. SPECBATCH_NATIVE=0 switches it off.
+
+Example: w [n, k] float32 that float16 holds; packed = pack(w); y = linear(x, packed, None, n)
+equals x @ w.T up to float32 rounding.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("half_gemm.c")
+PANEL = 64                # output columns per panel (half_gemm.c)
+ROWS = 6                  # input rows per pass over the weight (half_gemm.c)
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECBATCH_CACHE")
+    if root:
+        return Path(root)
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(home) / "specbatch"
+
+
+def build(cache: Path | None = None) -> Path | None:
+    """The compiled library's path (compiled now unless cached), or None where it cannot be."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_flags()]).encode())
+    for folder in ([cache] if cache is not None else [_cache_dir(), Path(tempfile.gettempdir()) / "specbatch"]):
+        path = folder / f"half_gemm-{key.hexdigest()[:16]}.so"
+        if path.exists():
+            return path
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+        except OSError:
+            continue                              # not writable: try the next folder
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, timeout=120)
+            if done.returncode != 0:
+                return None                       # e.g. no AVX-512 (#error), an old compiler
+            os.replace(tmp, path)                 # atomic: a concurrent process loads a whole file
+            return path
+        except (OSError, subprocess.SubprocessError):
+            return None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def library():
+    """The loaded kernel (a ctypes function), or None (module docstring). Once per process."""
+    if os.environ.get("SPECBATCH_NATIVE", "1") == "0":
+        return None
+    path = build()
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(str(path)).half_gemm
+    except OSError:
+        return None
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
+    return fn if _agrees(fn) else None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] float32 -> float16 panels [ceil(n / 64), k, 64], zero past n."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.float16)
+    padded[:n] = weight.detach().to("cpu", torch.float16)
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The bias as half_gemm reads it: a whole number of panels of float32, zero past n."""
+    if bias is None:
+        return None
+    out = torch.zeros(-(-n // PANEL) * PANEL)
+    out[:n] = bias.detach().float()
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, fn=None) -> torch.Tensor:
+    """x [..., k] float32 on CPU -> [..., n]: x @ W.T (+ bias) for W packed by `pack`."""
+    fn = fn or library()
+    k = packed.shape[1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous() or x2.dtype != torch.float32:
+        x2 = x2.contiguous().float()
+    y = torch.empty(x2.shape[0], n)
+    if x2.shape[0]:
+        fn(x2.shape[0], k, n, x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr())
+    return y.view(*x.shape[:-1], n)
+
+
+def _agrees(fn) -> bool:
+    """The built kernel against float64 math on odd shapes (a partial panel, 1-13 rows, a bias)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 70, generator=gen).half().float()
+    b = torch.randn(100, generator=gen)
+    packed, padded = pack(w), pad_bias(b, 100)
+    for m in (1, 6, 13):
+        x = torch.randn(m, 70, generator=gen)
+        ref = x.double() @ w.double().t() + b.double()
+        if not torch.allclose(linear(x, packed, padded, 100, fn).double(), ref, rtol=1e-5, atol=1e-4):
+            return False
+    return True
