@@ -2,6 +2,7 @@
 the loader packs on CPU only for inference, and the step-cost harness reports every shape."""
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline.bench.step_costs import measure, table
@@ -136,6 +137,32 @@ def test_native_half_gemm_builds_once_per_source_and_machine(tmp_path, monkeypat
     assert first is not None and first.parent == tmp_path and len(compiles) == 1
     assert native.build(tmp_path) == first and len(compiles) == 1
     assert [p.name for p in tmp_path.iterdir()] == [first.name]       # no temporary left behind
+
+
+def test_native_rms_norm_is_rms_norm_for_few_rows_and_leaves_autograd_to_torch():
+    """The C RMSNorm against float64 math (widths that fill no vector, one, several and a bit);
+    an RMSNorm given it matches torch's to float32 rounding, and an input that needs a gradient
+    (training a head) takes torch's op."""
+    from pipeline.model import native
+    from pipeline.model.layers import NATIVE_NORM_ROWS, RMSNorm
+    _kernel_or_skip("native")
+    gen = torch.Generator().manual_seed(0)
+    for d in (5, 16, 70, 256):
+        x, w = torch.randn(3, 4, d, generator=gen), torch.randn(d, generator=gen)
+        want = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+        torch.testing.assert_close(native.rms_norm(x, w, 1e-5).double(), want, rtol=1e-5, atol=1e-5)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(generator=gen)
+    calls = []
+    norm.native = type("Spy", (), {"rms_norm": lambda self, *a: calls.append(a[0]) or native.library().rms_norm(*a)})()
+    for rows in (1, 6, NATIVE_NORM_ROWS, NATIVE_NORM_ROWS + 1):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(norm.forward(x), F.rms_norm(x, (64,), norm.weight, 1e-6), rtol=1e-5, atol=1e-6)
+    assert calls == [1, 6, NATIVE_NORM_ROWS]              # past a step's rows, torch's op
+    x = torch.randn(2, 64, requires_grad=True)
+    norm.forward(x).sum().backward()
+    assert x.grad is not None and calls == [1, 6, NATIVE_NORM_ROWS]
 
 
 def test_without_the_native_kernel_the_fp16_linears_take_fbgemm(monkeypatch):

@@ -73,3 +73,27 @@ void half_gemm(int m, int k, int n, const float *x, const uint16_t *w, const flo
         passes[rows](k, n, x + (size_t)r * k, w, b, y + (size_t)r * n);
     }
 }
+
+/* RMSNorm of a few rows, y = w * (x * 1 / sqrt(mean(x^2) + eps)) per row of dim floats: one C call
+ * where torch's float32 rms_norm is ~10 small ops (~20 us a call at batch 1, 25 calls a demo
+ * forward). The sum of squares in another order than torch's; the scaling as transformers'. */
+void rms_norm(int rows, int dim, const float *x, const float *w, float eps, float *y) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * dim;
+        float *yr = y + (size_t)r * dim;
+        __m512 acc = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= dim; i += 16) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        float ss = _mm512_reduce_add_ps(acc);
+        for (; i < dim; i++) ss += xr[i] * xr[i];
+        __m512 inv = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(ss / (float)dim + eps))));
+        for (i = 0; i < dim; i += 16) {
+            __mmask16 m = dim - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dim - i)) - 1);
+            __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
+            _mm512_mask_storeu_ps(yr + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, inv)));
+        }
+    }
+}

@@ -19,18 +19,34 @@ from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
 
 
+NATIVE_NORM_ROWS = 64      # rows up to which a CPU norm takes the C kernel (a step's, not a prefill's)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.native = None     # CPU inference: the C kernels (pipeline.model.native), set by pack_linears_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32, scale in the input dtype (as transformers' Llama does); in
-        # float32 one fused call gives the same bits
+        # float32 one fused call gives the same bits, and the C kernel one call for a few rows
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if self.native is not None and x.numel() <= NATIVE_NORM_ROWS * x.shape[-1] and not x.requires_grad:
+                return _native_rms_norm(x, self.weight, self.eps, self.native)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib) -> torch.Tensor:
+    """pipeline.model.native.rms_norm, inlined (a norm is ~25 calls a demo forward)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    if x.numel():
+        lib.rms_norm(x.numel() // d, d, x.data_ptr(), weight.data_ptr(), eps, y.data_ptr())
+    return y
 
 
 def fold_sin(sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A C kernel for a CPU linear over a few rows with float16-stored weights (half_gemm.c).
+"""C kernels for a CPU step's few rows (half_gemm.c): a linear over float16-stored weights,
+and RMSNorm.
 
 At batch 1 a CPU step's linears are bound by reading their weights, yet in torch's kernels
 (MKL float32, FBGEMM float16) a linear over 6 rows cost 1.5-2.2x one row, so a speculative
@@ -11,6 +12,9 @@ The source is compiled on first use with the machine's C compiler (`cc`, or $CC)
 source, the compiler and the CPU's flags; later processes load it (~1 s the first time). Where
 there is no compiler, no AVX-512, the build fails or the result disagrees with float64 math,
 `library()` is None and the engine keeps torch's kernels. SPECBATCH_NATIVE=0 switches it off.
+
+`rms_norm` is one call where torch's float32 RMSNorm is ~10 small ops: at batch 1 a demo forward
+runs 25 of them (docs/decisions.md, stop 49).
 
 Example: w [n, k] float32 that float16 holds; packed = pack(w); y = linear(x, packed, None, n)
 equals x @ w.T up to float32 rounding.
@@ -89,19 +93,21 @@ def build(cache: Path | None = None) -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def library():
-    """The loaded kernel (a ctypes function), or None (module docstring). Once per process."""
+    """The loaded kernels (ctypes library: `half_gemm`, `rms_norm`), or None (module docstring).
+    Once per process."""
     if os.environ.get("SPECBATCH_NATIVE", "1") == "0":
         return None
     path = build()
     if path is None:
         return None
     try:
-        fn = ctypes.CDLL(str(path)).half_gemm
+        lib = ctypes.CDLL(str(path))
     except OSError:
         return None
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
-    return fn if _agrees(fn) else None
+    lib.half_gemm.restype = lib.rms_norm.restype = None
+    lib.half_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
+    lib.rms_norm.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p]
+    return lib if _agrees(lib) else None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -122,21 +128,33 @@ def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return out
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, fn=None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, lib=None) -> torch.Tensor:
     """x [..., k] float32 on CPU -> [..., n]: x @ W.T (+ bias) for W packed by `pack`."""
-    fn = fn or library()
+    lib = lib or library()
     k = packed.shape[1]
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous() or x2.dtype != torch.float32:
-        x2 = x2.contiguous().float()
+    x2 = x.reshape(-1, k).contiguous().float()
     y = torch.empty(x2.shape[0], n)
     if x2.shape[0]:
-        fn(x2.shape[0], k, n, x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr())
+        lib.half_gemm(x2.shape[0], k, n, x2.data_ptr(), packed.data_ptr(),
+                      None if bias is None else bias.data_ptr(), y.data_ptr())
     return y.view(*x.shape[:-1], n)
 
 
-def _agrees(fn) -> bool:
-    """The built kernel against float64 math on odd shapes (a partial panel, 1-13 rows, a bias)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None) -> torch.Tensor:
+    """x [..., d] float32 on CPU, weight [d] float32 -> weight * x / sqrt(mean(x^2) + eps), as
+    F.rms_norm (another summation order)."""
+    lib = lib or library()
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    if x.numel():
+        lib.rms_norm(x.numel() // d, d, x.data_ptr(), weight.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def _agrees(lib) -> bool:
+    """The built kernels against float64 math on odd shapes (a partial panel, 1-13 rows, a bias;
+    a norm of 70)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(100, 70, generator=gen).half().float()
     b = torch.randn(100, generator=gen)
@@ -144,6 +162,10 @@ def _agrees(fn) -> bool:
     for m in (1, 6, 13):
         x = torch.randn(m, 70, generator=gen)
         ref = x.double() @ w.double().t() + b.double()
-        if not torch.allclose(linear(x, packed, padded, 100, fn).double(), ref, rtol=1e-5, atol=1e-4):
+        if not torch.allclose(linear(x, packed, padded, 100, lib).double(), ref, rtol=1e-5, atol=1e-4):
+            return False
+        g = torch.randn(70, generator=gen)
+        ref = g.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+        if not torch.allclose(rms_norm(x, g, 1e-6, lib).double(), ref, rtol=1e-5, atol=1e-5):
             return False
     return True

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pipeline.model import native
+from pipeline.model.layers import RMSNorm
 
 
 class PackedLinear(nn.Module):
@@ -64,7 +65,7 @@ class Fp16WeightLinear(PackedLinear):
         self.max_rows = max_rows
         self.kernel = kernel or fp16_kernel()
         if self.kernel == "native":
-            self._native = native.library()
+            self._native = native.library().half_gemm
             self._packed = native.pack(weight)
             self._bias = native.pad_bias(bias, self.out_features)
             self._ptrs = (self._packed.data_ptr(), None if self._bias is None else self._bias.data_ptr())
@@ -199,11 +200,14 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Mod
 
 
 def pack_linears_(module: nn.Module) -> None:
-    """Replace every nn.Linear under `module` by its `cpu_linear` (in place)."""
+    """Replace every nn.Linear under `module` by its `cpu_linear` (in place), and give every
+    RMSNorm the C kernels where they build (pipeline.model.native), for its few-row calls."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             setattr(module, name, cpu_linear(child.weight, child.bias))
         else:
+            if isinstance(child, RMSNorm) and child.weight.device.type == "cpu":
+                child.native = native.library()
             pack_linears_(child)
 
 
