@@ -3,7 +3,7 @@ and RMSNorm.
 
 At batch 1 a CPU step's linears are bound by reading their weights, yet in torch's kernels
 (MKL float32, FBGEMM float16) a linear over 6 rows cost 1.5-2.2x one row, so a speculative
-step paid for its width. `half_gemm` reads each weight once for up to 6 rows and prefetches ahead: on the
+step paid for its width. `half_gemm` reads each weight once for up to 8 rows and prefetches ahead: on the
 demo's shapes (one thread, weights cycled out of L2) 6 rows cost 1.0-1.2x one row, and 0.55-0.7x
 FBGEMM's time (docs/decisions.md, stop 49).
 
@@ -35,7 +35,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("half_gemm.c")
 PANEL = 64                # output columns per panel (half_gemm.c)
-ROWS = 6                  # input rows per pass over the weight (half_gemm.c)
+ROWS = 8                  # input rows per pass over the weight (half_gemm.c)
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 
 

@@ -15,7 +15,7 @@ the arithmetic binds, MKL is 10-25% faster (docs/decisions.md, 2026-12-05). So
 `Fp16WeightLinear` keeps both and takes FBGEMM up to `max_rows` input rows, a crossover that
 `fp16_gemm_rows` measures once per weight shape and thread count on the running machine.
 With one torch thread, where it builds (a C compiler, AVX-512), the float16 GEMM is the
-project's own `half_gemm` (pipeline/model/native.py): one pass over the weight for up to 6
+project's own `half_gemm` (pipeline/model/native.py): one pass over the weight for up to 8
 rows, so a 6-token verify's linears cost about what a 1-token step's do; FBGEMM's otherwise.
 
 FBGEMM is used only for a weight that float16 holds exactly (every value survives the round
