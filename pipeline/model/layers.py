@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
 
@@ -34,19 +35,9 @@ class RMSNorm(nn.Module):
         # float32 one fused call gives the same bits, and the C kernel one call for a few rows
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             if self.native is not None and x.numel() <= NATIVE_NORM_ROWS * x.shape[-1] and not x.requires_grad:
-                return _native_rms_norm(x, self.weight, self.eps, self.native)
+                return native.rms_norm(x, self.weight, self.eps, self.native)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib) -> torch.Tensor:
-    """pipeline.model.native.rms_norm, inlined (a norm is ~25 calls a demo forward)."""
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    d = x.shape[-1]
-    if x.numel():
-        lib.rms_norm(x.numel() // d, d, x.data_ptr(), weight.data_ptr(), eps, y.data_ptr())
-    return y
 
 
 def fold_sin(sin: torch.Tensor) -> torch.Tensor:

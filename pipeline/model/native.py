@@ -3,9 +3,9 @@ and RMSNorm.
 
 At batch 1 a CPU step's linears are bound by reading their weights, yet in torch's kernels
 (MKL float32, FBGEMM float16) a linear over 6 rows cost 1.5-2.2x one row, so a speculative
-step paid for its width. `half_gemm` reads each weight once for up to 8 rows and prefetches ahead: on the
-demo's shapes (one thread, weights cycled out of L2) 6 rows cost 1.0-1.2x one row, and 0.55-0.7x
-FBGEMM's time (docs/decisions.md, stop 49).
+step paid for its width. `half_gemm` reads each weight once for up to 8 rows and prefetches
+ahead: on the demo's shapes (one thread, weights cycled out of L2) 6 rows cost 1.0-1.2x one
+row, and 0.55-0.7x FBGEMM's time (docs/decisions.md, stop 49).
 
 The source is compiled on first use with the machine's C compiler (`cc`, or $CC) for this CPU
 (-march=native) into a cache folder ($SPECBATCH_CACHE, else ~/.cache/specbatch), keyed by the
