@@ -5,6 +5,7 @@
     python benchmarks/step_costs.py --compare        # lean against baseline, interleaved in one process
     python benchmarks/step_costs.py --compare-gemm   # float16-weight GEMM against float32, likewise
     python benchmarks/step_costs.py --compare-kernel # native float16-weight GEMM against FBGEMM's
+    python benchmarks/step_costs.py --compare-norm   # the C RMSNorm against torch's
 
 --compare loads the checkpoint twice: "lean" as the engine runs it, and "baseline" with this
 branch's step changes switched off (linears in the checkpoint's [out, in] layout, rotary
@@ -13,6 +14,7 @@ computed per forward, full-vocabulary drafts), and times both in one interleaved
 FBGEMM's float16-weight GEMM (pipeline/model/packed.py), beside the engine as it runs.
 --compare-kernel: the engine with FBGEMM's float16-weight GEMM where it runs the native
 half_gemm (pipeline/model/native.py), beside the engine as it runs.
+--compare-norm: the engine with torch's RMSNorm where it runs the C one, beside it.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 
 from pipeline.bench.step_costs import baseline_engine, measure, measure_many, table  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
+from pipeline.model.layers import RMSNorm  # noqa: E402
 
 DEMO = ROOT / "pipeline" / "assets" / "demo" / "model"
 
@@ -62,6 +65,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compare-gemm", action="store_true", help="also time float32 GEMMs (see above), interleaved")
     ap.add_argument("--compare-kernel", action="store_true",
                     help="also time FBGEMM's float16-weight GEMM in place of the native one (see above), interleaved")
+    ap.add_argument("--compare-norm", action="store_true",
+                    help="also time torch's RMSNorm in place of the C one (see above), interleaved")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,8 +78,15 @@ def main(argv=None) -> None:
           f"{args.stat} of {args.reps}, {args.clock} clock\n")
     stat = min if args.stat == "min" else statistics.median
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    if args.compare or args.compare_gemm or args.compare_kernel:
-        if args.compare_kernel:
+    if args.compare or args.compare_gemm or args.compare_kernel or args.compare_norm:
+        if args.compare_norm:
+            torch_norm = Engine.from_pretrained(args.model, device=args.device)
+            set_draft_vocab(torch_norm, args.draft_vocab)
+            for module in [*torch_norm.target.modules(), *(m for h in torch_norm.heads for m in h.modules())]:
+                if isinstance(module, RMSNorm):
+                    module.native = None
+            engines = {"torch RMSNorm": torch_norm, "C RMSNorm": engine}
+        elif args.compare_kernel:
             with mock.patch("pipeline.model.packed.fp16_kernel", lambda: "fbgemm"):
                 fbgemm = Engine.from_pretrained(args.model, device=args.device)
             set_draft_vocab(fbgemm, args.draft_vocab)
