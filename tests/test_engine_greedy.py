@@ -169,7 +169,7 @@ def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, t
 
     from pipeline.demo.build import store_weights
     from pipeline.model import native, packed
-    from pipeline.model.layers import RMSNorm
+    from pipeline.model.layers import Attention, RMSNorm
     from pipeline.model.packed import Fp16WeightLinear, PackedLinear, fp16_gemm_works
     from pipeline.model.tiny import make_tiny_checkpoint
     if kernel == "native" and native.library() is None:
@@ -192,8 +192,8 @@ def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, t
     assert sum(isinstance(m, Fp16WeightLinear) for m in modules) == 4 * 2 + 1 + 5 * 2
     assert all(isinstance(h.draft_head, Fp16WeightLinear) for h in engine.heads)
     assert {m.kernel for m in modules if isinstance(m, Fp16WeightLinear)} == {kernel}
-    if native.library() is not None:          # and the norms' C kernel, whichever GEMM
-        assert all(m.native is not None for m in modules if isinstance(m, RMSNorm))
+    if native.library() is not None:          # and the norms' and attention's C kernels, whichever GEMM
+        assert all(m.native is not None for m in modules if isinstance(m, (RMSNorm, Attention)))
     for gamma in (0, 1, 3, 5, "auto"):
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma)
         assert [o.token_ids for o in outs] == refs, f"gamma={gamma}"

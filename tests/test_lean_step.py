@@ -296,3 +296,99 @@ def test_additive_mask_gives_the_bool_masks_attention(window):
     F = torch.nn.functional
     assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=additive),
                        F.scaled_dot_product_attention(q, k, v, attn_mask=allowed))
+
+
+def _reference_attention(qkv, cos, sin, positions, rows, k_cache, v_cache, valid, window, hq):
+    """The torch path (apply_rope, KVCache.write, Batch.mask, SDPA) in float64, writing the cache."""
+    from pipeline.model.cache import Batch
+    from pipeline.model.layers import apply_rope
+    n, q, _ = qkv.shape
+    _, hk, _, d = k_cache.shape
+    x = qkv.view(n, q, hq + 2 * hk, d)
+    qs = apply_rope(x[:, :, :hq].transpose(1, 2), cos, sin)
+    ks = apply_rope(x[:, :, hq:hq + hk].transpose(1, 2), cos, sin)
+    r = torch.arange(n) if rows is None else rows
+    k_cache[r[:, None], :, positions] = ks.transpose(1, 2)
+    v_cache[r[:, None], :, positions] = x[:, :, hq + hk:]
+    kv_len = int(positions.max()) + 1
+    batch = Batch.make(positions, rows=rows, kv_len=kv_len, key_valid=None if valid is None else valid[:, :kv_len])
+    out = F.scaled_dot_product_attention(qs.double(), k_cache[r, :, :kv_len].double(), v_cache[r, :, :kv_len].double(),
+                                         attn_mask=batch.mask(window), enable_gqa=True)
+    return out.transpose(1, 2).reshape(n, q, hq * d)
+
+
+@pytest.mark.parametrize("n,q,hq,hk,d,window,masked,rows", [
+    (1, 1, 8, 4, 32, None, False, False), (2, 3, 8, 4, 32, None, True, True), (3, 6, 4, 4, 64, 5, True, False),
+    (1, 9, 16, 2, 128, None, False, True), (4, 2, 6, 3, 40, 3, False, False), (2, 17, 2, 1, 16, 7, True, True)])
+def test_native_attention_is_the_torch_path_with_its_cache_writes(n, q, hq, hk, d, window, masked, rows):
+    """attend (half_gemm.c) against RoPE, the cache write, the mask and SDPA in float64: grouped
+    heads, head widths that fill no vector or several, more than 16 keys, cache rows out of
+    order, holes in the keys (the MTP caches'), sliding windows; keys and values land in the
+    cache with the torch path's bits."""
+    from pipeline.model import native
+    from pipeline.model.layers import fold_sin
+    _kernel_or_skip("native")
+    gen = torch.Generator().manual_seed(n * 100 + q)
+    k_cache, v_cache = torch.randn(6, hk, 64, d, generator=gen), torch.randn(6, hk, 64, d, generator=gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(n, q, (hq + 2 * hk) * d, generator=gen)
+    cache_rows = torch.randperm(6, generator=gen)[:n] if rows else None
+    positions = torch.randint(0, 40, (n, 1), generator=gen) + torch.arange(q)
+    angles = torch.randn(n, q, d, generator=gen) * 5
+    cos, sin = angles.cos(), fold_sin(angles.sin())
+    valid = torch.rand(n, 60, generator=gen) > 0.3 if masked else None
+    out = native.attend(qkv, cos, sin, positions, cache_rows, k_cache, v_cache, valid, window, hq)
+    want = _reference_attention(qkv, cos, sin, positions, cache_rows, k_ref, v_ref, valid, window, hq)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_attention_takes_the_c_kernel_for_a_steps_few_tokens_only():
+    """A cached CPU attention of up to NATIVE_ATTN_TOKENS query tokens runs the C kernel and
+    matches the torch path; a prefill from position 0, a wider forward and an input that needs
+    a gradient keep torch's ops."""
+    from pipeline.model import native
+    from pipeline.model.cache import Batch, KVCache
+    from pipeline.model.config import ArchConfig
+    from pipeline.model.layers import NATIVE_ATTN_TOKENS, Attention
+    _kernel_or_skip("native")
+    cfg = ArchConfig("LlamaForCausalLM", 64, 32, 64, 1, 4, 2, 8, 1e-6, 512, False, False, False, False, False,
+                     (None,), 0, ())
+    gen = torch.Generator().manual_seed(0)
+    attn = Attention(cfg, None)
+    for p in attn.parameters():
+        p.data.normal_(generator=gen)
+    attn.fuse_()
+    calls = []
+    lib = native.library()
+    attn.native = type("Spy", (), {"attend": lambda self, *a: calls.append(a[1]) or lib.attend(*a)})()
+
+    for rows, q, start in ((1, 1, 5), (2, 3, 7), (1, NATIVE_ATTN_TOKENS, 0), (1, NATIVE_ATTN_TOKENS + 1, 0)):
+        positions = torch.arange(q)[None].expand(rows, q) + start
+        angles = positions[..., None].float() * torch.linspace(0.1, 1.0, 8)
+        caches = [KVCache(1, rows, start + q, 2, 8, torch.float32, "cpu") for _ in range(2)]
+        x = torch.randn(rows, q, 32, generator=gen)
+        outs = []
+        for cache, on in zip(caches, (True, False)):
+            batch = Batch.make(positions, kv_len=start + q)
+            batch.cos, batch.sin = angles.cos(), angles.sin()
+            outs.append(attn.forward(x, batch, cache, 0) if on else _without_native(attn, x, batch, cache))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[0].k, caches[1].k, rtol=0, atol=0)
+    assert calls == [1, 3, NATIVE_ATTN_TOKENS]           # q of each call that took the C kernel
+    batch = Batch.from_start(1, 4, "cpu")                  # a prefill: plain causal SDPA
+    batch.cos, batch.sin = torch.ones(1, 4, 8), torch.zeros(1, 4, 8)
+    attn.forward(torch.randn(1, 4, 32), batch, KVCache(1, 1, 8, 2, 8, torch.float32, "cpu"), 0)
+    x = torch.randn(1, 1, 32, requires_grad=True)
+    batch = Batch.make(torch.tensor([[3]]))
+    batch.cos, batch.sin = torch.ones(1, 1, 8), torch.zeros(1, 1, 8)
+    attn.forward(x, batch, KVCache(1, 1, 8, 2, 8, torch.float32, "cpu"), 0).sum().backward()
+    assert x.grad is not None and len(calls) == 3
+
+
+def _without_native(attn, x, batch, cache):
+    spy, attn.native = attn.native, None
+    try:
+        return attn.forward(x, batch, cache, 0)
+    finally:
+        attn.native = spy

@@ -11,6 +11,9 @@
  * Compiled on the running machine by pipeline/model/native.py (-O3 -march=native); AVX-512F only:
  * elsewhere it does not compile and the engine keeps torch's kernels. */
 #include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -97,4 +100,190 @@ void rms_norm(int rows, int dim, const float *x, const float *w, float eps, floa
             _mm512_mask_storeu_ps(yr + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, inv)));
         }
     }
+}
+
+/* RoPE of one head vector, as pipeline.model.layers.apply_rope: y = x * cos + roll(x, d/2) * sin
+ * with sin folded (its first half negated). Two products and a sum, each rounded as torch's
+ * three ops round them (the build passes -ffp-contract=off): the same bits. */
+static inline void rope(int d, const float *x, const float *c, const float *s, float *y) {
+    int half = d / 2;
+    for (int j = 0; j < half; j++) y[j] = x[j] * c[j] + x[j + half] * s[j];
+    for (int j = half; j < d; j++) y[j] = x[j] * c[j] + x[j - half] * s[j];
+}
+
+/* e^x for x in [-87, 0], 16 lanes: Cephes' expf (n = round(x / ln 2), x - n ln 2 in two
+ * parts, a degree-5 polynomial, times 2^n); within 2 ulp of expf. */
+static inline __m512 exp512(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define QB 4              /* query vectors sharing each load of a key or value vector */
+
+/* scores s[b][0:16] = sum_e q[b][e] * kt[e][0:16] for nb <= QB query vectors (kt: 16 keys, transposed) */
+static inline void qk_block(int nb, int d, const float *q, const float *kt, __m512 *s) {
+    __m512 acc[QB];
+    for (int b = 0; b < QB; b++) acc[b] = _mm512_setzero_ps();
+    for (int e = 0; e < d; e++) {
+        __m512 k = _mm512_loadu_ps(kt + e * 16);
+        for (int b = 0; b < QB; b++)
+            if (b < nb) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(q[b * d + e]), k, acc[b]);
+    }
+    for (int b = 0; b < nb; b++) s[b] = acc[b];
+}
+
+/* out[b][u:u+16] = sum_j w[b][j] * v[j][u:u+16] over `keys` keys, for nb <= QB weight rows
+ * (row stride ws); m: the lanes of d at u */
+static inline void pv_block(int nb, int keys, int d, int u, __mmask16 m, const float *w, int ws,
+                            const float *v, float *out) {
+    __m512 acc[QB];
+    for (int b = 0; b < QB; b++) acc[b] = _mm512_setzero_ps();
+    for (int j = 0; j < keys; j++) {
+        __m512 x = _mm512_maskz_loadu_ps(m, v + (size_t)j * d + u);
+        for (int b = 0; b < QB; b++)
+            if (b < nb) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(w[b * ws + j]), x, acc[b]);
+    }
+    for (int b = 0; b < nb; b++) _mm512_mask_storeu_ps(out + (size_t)b * d + u, m, acc[b]);
+}
+
+#define BLOCKS(NB) \
+    static void qk##NB(int d, const float *q, const float *kt, __m512 *s) { qk_block(NB, d, q, kt, s); } \
+    static void pv##NB(int keys, int d, int u, __mmask16 m, const float *w, int ws, const float *v, float *out) \
+        { pv_block(NB, keys, d, u, m, w, ws, v, out); }
+BLOCKS(1) BLOCKS(2) BLOCKS(3) BLOCKS(4)
+static void (*const QK[QB + 1])(int, const float *, const float *, __m512 *) = {NULL, qk1, qk2, qk3, qk4};
+static void (*const PV[QB + 1])(int, int, int, __mmask16, const float *, int, const float *, float *) =
+    {NULL, pv1, pv2, pv3, pv4};
+
+/* One attention layer of a step over a per-row KV cache (pipeline/model/cache.py), for a few
+ * query tokens per row: RoPE on q and k, k and v written into the cache at their positions,
+ * then each query at position p attends keys j <= p (j > p - window where window > 0) that
+ * `valid` allows or that are p itself: softmax(q.k * scale) v, in float32.
+ *
+ * Why: at batch 1 torch spends ~15 small ops a layer here (index_put writes, RoPE, the mask,
+ * SDPA's setup) against a few us of arithmetic.
+ * How: per row and kv head, the queries of its q tokens and its group of query heads share each
+ * block of 16 keys (gathered transposed once) and each value vector read; scores, softmax and the
+ * weighted sum of values run 16 lanes wide.
+ *
+ * qkv: [n, q, hq + 2 hk, d] (q heads, k heads, v heads); cos, sin: [n, q, d];
+ * rows: [n] cache rows (NULL: row i); pos: [n, q]; kc, vc: the layer's [B, hk, cap, d];
+ * valid: NULL or bytes [n, vstride] by key position; out: [n, q, hq, d]. Returns 0, or -1 where
+ * it could not allocate its scratch. */
+int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const float *cos,
+           const float *sin, const int64_t *rows, const int64_t *pos, float *kc, float *vc,
+           const uint8_t *valid, int vstride, int window, float scale, float *out) {
+    int heads = hq + 2 * hk, group = hq / hk, nq = q * group;
+    for (int i = 0; i < n; i++) {
+        size_t r = rows ? (size_t)rows[i] : (size_t)i;
+        for (int t = 0; t < q; t++) {
+            const float *src = qkv + ((size_t)i * q + t) * heads * d;
+            const float *c = cos + ((size_t)i * q + t) * d, *s = sin + ((size_t)i * q + t) * d;
+            size_t p = (size_t)pos[(size_t)i * q + t];
+            for (int h = 0; h < hk; h++) {
+                size_t at = ((r * hk + h) * cap + p) * d;
+                rope(d, src + (size_t)(hq + h) * d, c, s, kc + at);
+                for (int j = 0; j < d; j++) vc[at + j] = src[(size_t)(hq + hk + h) * d + j];
+            }
+        }
+    }
+    int64_t top = 0;
+    for (size_t x = 0; x < (size_t)n * q; x++) top = pos[x] > top ? pos[x] : top;
+    int width = (int)((top + 16) / 16 * 16);
+    float *qs = malloc(sizeof(float) * ((size_t)nq * d + (size_t)nq * width + 16 * (size_t)d));
+    if (!qs) return -1;
+    float *w = qs + (size_t)nq * d, *kt = w + (size_t)nq * width;
+    int64_t lo[nq], hi[nq];
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(d));
+    for (int i = 0; i < n; i++) {
+        size_t r = rows ? (size_t)rows[i] : (size_t)i;
+        const uint8_t *ok = valid ? valid + (size_t)i * vstride : NULL;
+        for (int g = 0; g < hk; g++) {
+            int64_t first = INT64_MAX, last = 0;
+            for (int t = 0; t < q; t++) {           /* query b = t * group + hh: head g * group + hh */
+                const float *src = qkv + ((size_t)i * q + t) * heads * d;
+                const float *c = cos + ((size_t)i * q + t) * d, *s = sin + ((size_t)i * q + t) * d;
+                int64_t p = pos[(size_t)i * q + t];
+                for (int hh = 0; hh < group; hh++) {
+                    int b = t * group + hh;
+                    rope(d, src + (size_t)(g * group + hh) * d, c, s, qs + (size_t)b * d);
+                    hi[b] = p;
+                    lo[b] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+                    first = lo[b] < first ? lo[b] : first;
+                    last = p > last ? p : last;
+                }
+            }
+            const float *K = kc + (r * hk + g) * cap * d, *V = vc + (r * hk + g) * cap * d;
+            int keys = (int)(last - first + 1);
+            for (int j0 = 0; j0 < keys; j0 += 16) {             /* scores of 16 keys at a time */
+                int in = keys - j0 < 16 ? keys - j0 : 16;
+                __mmask16 km = (__mmask16)((1u << in) - 1);
+                const float *base = K + (size_t)(first + j0) * d;
+                for (int e = 0; e < d; e++)
+                    _mm512_storeu_ps(kt + e * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), km, idx, base + e, 4));
+                __m512i jv = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(first + j0)));
+                __mmask16 seen = km;
+                if (ok) seen &= _mm_test_epi8_mask(_mm_maskz_loadu_epi8(km, ok + first + j0), _mm_set1_epi8(-1));
+                for (int b0 = 0; b0 < nq; b0 += QB) {
+                    int nb = nq - b0 < QB ? nq - b0 : QB;
+                    __m512 sc[QB];
+                    QK[nb](d, qs + (size_t)b0 * d, kt, sc);
+                    for (int b = 0; b < nb; b++) {
+                        __m512i ph = _mm512_set1_epi32((int)hi[b0 + b]);
+                        __mmask16 m = (seen | _mm512_cmpeq_epi32_mask(jv, ph)) & _mm512_cmple_epi32_mask(jv, ph)
+                                      & _mm512_cmpge_epi32_mask(jv, _mm512_set1_epi32((int)lo[b0 + b])) & km;
+                        _mm512_storeu_ps(w + (size_t)(b0 + b) * width + j0,
+                                         _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
+                                                            _mm512_mul_ps(sc[b], _mm512_set1_ps(scale))));
+                    }
+                }
+            }
+            for (int b = 0; b < nq; b++) {                 /* softmax of each query's scores */
+                float *wb = w + (size_t)b * width;
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int j0 = 0; j0 < keys; j0 += 16) {
+                    __mmask16 km = keys - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (keys - j0)) - 1);
+                    mx = _mm512_mask_max_ps(mx, km, mx, _mm512_loadu_ps(wb + j0));
+                }
+                __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
+                for (int j0 = 0; j0 < keys; j0 += 16) {
+                    __mmask16 km = keys - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (keys - j0)) - 1);
+                    __m512 x = _mm512_loadu_ps(wb + j0);
+                    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & km;
+                    __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_max_ps(_mm512_sub_ps(x, m), _mm512_set1_ps(-87.0f))));
+                    _mm512_storeu_ps(wb + j0, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                float inv = 1.0f / _mm512_reduce_add_ps(sum);
+                for (int j0 = 0; j0 < keys; j0 += 16)
+                    _mm512_storeu_ps(wb + j0, _mm512_mul_ps(_mm512_loadu_ps(wb + j0), _mm512_set1_ps(inv)));
+            }
+            const float *Vf = V + (size_t)first * d;
+            for (int b0 = 0; b0 < nq; b0 += QB) {          /* the weighted sums of values */
+                int nb = nq - b0 < QB ? nq - b0 : QB;
+                float tmp[QB * d];
+                for (int u = 0; u < d; u += 16) {
+                    __mmask16 m = d - u >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - u)) - 1);
+                    PV[nb](keys, d, u, m, w + (size_t)b0 * width, width, Vf, tmp);
+                }
+                for (int b = 0; b < nb; b++) {
+                    int t = (b0 + b) / group, hh = (b0 + b) % group;
+                    memcpy(out + (((size_t)i * q + t) * hq + g * group + hh) * d, tmp + (size_t)b * d, sizeof(float) * d);
+                }
+            }
+        }
+    }
+    free(qs);
+    return 0;
 }

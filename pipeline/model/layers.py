@@ -21,6 +21,8 @@ from pipeline.model.config import ArchConfig
 
 
 NATIVE_NORM_ROWS = 64      # rows up to which a CPU norm takes the C kernel (a step's, not a prefill's)
+NATIVE_ATTN_TOKENS = 512   # query tokens up to which a cached CPU attention takes the C kernel: a step's
+                           # (batch 48 at gamma 9); measured faster than SDPA up to 96 with 1 and 2 threads
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +67,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
         self.fused = False
+        self.native = None     # CPU inference: the C kernels (pipeline.model.native), set by pack_linears_
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -105,6 +108,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: KVCache | None, layer: int) -> torch.Tensor:
         n, q, _ = x.shape
+        if (self.native is not None and cache is not None and not batch.from_zero and n * q <= NATIVE_ATTN_TOKENS
+                and self.fused and not self.qk_norm and x.dtype == cache.k.dtype == torch.float32
+                and not x.requires_grad):     # a step's tokens: RoPE, cache write and attention in one C call
+            qkv = self.qkv_proj.forward(x)
+            out = native.attend(qkv, batch.cos, batch.sin, batch.positions, None if batch.prefix else batch.rows,
+                                cache.k[layer], cache.v[layer], batch.key_valid, self.window, self.num_heads,
+                                self.native)
+            return self.o_proj.forward(out)
         qs, ks, vs = self._project(x, batch)
         if cache is None:                      # full-sequence forward: attend over the fresh keys
             keys, values = ks, vs

@@ -1,5 +1,5 @@
 """C kernels for a CPU step's few rows (half_gemm.c): a linear over float16-stored weights,
-and RMSNorm.
+RMSNorm, and attention over the KV cache.
 
 At batch 1 a CPU step's linears are bound by reading their weights, yet in torch's kernels
 (MKL float32, FBGEMM float16) a linear over 6 rows cost 1.5-2.2x one row, so a speculative
@@ -14,7 +14,9 @@ there is no compiler, no AVX-512, the build fails or the result disagrees with f
 `library()` is None and the engine keeps torch's kernels. SPECBATCH_NATIVE=0 switches it off.
 
 `rms_norm` is one call where torch's float32 RMSNorm is ~10 small ops: at batch 1 a demo forward
-runs 25 of them (docs/decisions.md, stop 49).
+runs 25 of them (docs/decisions.md, stop 49). `attend` is one call for a layer's RoPE, cache
+write, mask and attention, ~15 torch ops: a demo step at batch 1 went from 4.4 to 2.8 ms with it
+(docs/decisions.md, stop 50).
 
 Example: w [n, k] float32 that float16 holds; packed = pack(w); y = linear(x, packed, None, n)
 equals x @ w.T up to float32 rounding.
@@ -36,7 +38,7 @@ import torch
 SOURCE = Path(__file__).with_name("half_gemm.c")
 PANEL = 64                # output columns per panel (half_gemm.c)
 ROWS = 8                  # input rows per pass over the weight (half_gemm.c)
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
 def _cpu_flags() -> str:
@@ -78,7 +80,7 @@ def build(cache: Path | None = None) -> Path | None:
         except OSError:
             continue                              # not writable: try the next folder
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, timeout=120)
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, timeout=120)
             if done.returncode != 0:
                 return None                       # e.g. no AVX-512 (#error), an old compiler
             os.replace(tmp, path)                 # atomic: a concurrent process loads a whole file
@@ -107,6 +109,9 @@ def library():
     lib.half_gemm.restype = lib.rms_norm.restype = None
     lib.half_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
     lib.rms_norm.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p]
+    lib.attend.restype = ctypes.c_int
+    lib.attend.argtypes = ([ctypes.c_int] * 6 + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 2
+                           + [ctypes.c_float, ctypes.c_void_p])
     return lib if _agrees(lib) else None
 
 
@@ -150,6 +155,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None) -> tor
     if x.numel():
         lib.rms_norm(x.numel() // d, d, x.data_ptr(), weight.data_ptr(), eps, y.data_ptr())
     return y
+
+
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           rows: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           valid: torch.Tensor | None, window: int | None, num_heads: int, lib=None) -> torch.Tensor:
+    """One attention layer over a per-row KV cache (half_gemm.c `attend`): RoPE on q and k, k and v
+    written into the cache at `positions`, each query attending its row's keys up to its position.
+    qkv [n, q, (hq + 2 hk) * d] float32; cos, sin (folded) [n, q, d]; positions [n, q]; rows [n]
+    cache rows (None: 0..n-1); k_cache, v_cache: one layer's [B, hk, T, d] float32, contiguous;
+    valid: None or bool [n, >= kv_len] keys that may be attended (besides the query's own).
+    Returns [n, q, hq * d], as SDPA over pipeline.model.cache.Batch.mask would (another summation
+    order)."""
+    lib = lib or library()
+    n, q = positions.shape
+    _, hk, cap, d = k_cache.shape
+    out = qkv.new_empty(n, q, num_heads * d)
+    if n and q:
+        positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
+        rows = None if rows is None else rows.contiguous()
+        stride = 0
+        if valid is not None:
+            if valid.stride(-1) != 1:
+                valid = valid.contiguous()
+            stride = valid.stride(0)
+        status = lib.attend(n, q, num_heads, hk, d, cap, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                   None if rows is None else rows.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
+                   v_cache.data_ptr(), None if valid is None else valid.data_ptr(), stride, window or 0,
+                   d ** -0.5, out.data_ptr())
+        if status:
+            raise MemoryError("attend: no memory for its scratch")
+    return out
 
 
 def _agrees(lib) -> bool:

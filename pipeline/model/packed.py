@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from pipeline.model import native
-from pipeline.model.layers import RMSNorm
+from pipeline.model.layers import Attention, RMSNorm
 
 
 class PackedLinear(nn.Module):
@@ -207,6 +207,8 @@ def pack_linears_(module: nn.Module) -> None:
             setattr(module, name, cpu_linear(child.weight, child.bias))
         else:
             if isinstance(child, RMSNorm) and child.weight.device.type == "cpu":
+                child.native = native.library()
+            if isinstance(child, Attention) and next(child.parameters()).device.type == "cpu":
                 child.native = native.library()
             pack_linears_(child)
 
