@@ -6,6 +6,7 @@
     python benchmarks/step_costs.py --compare-gemm   # float16-weight GEMM against float32, likewise
     python benchmarks/step_costs.py --compare-kernel # native float16-weight GEMM against FBGEMM's
     python benchmarks/step_costs.py --compare-norm   # the C RMSNorm against torch's
+    python benchmarks/step_costs.py --compare-layer  # the C attention and decoder layer against torch's
 
 --compare loads the checkpoint twice: "lean" as the engine runs it, and "baseline" with this
 branch's step changes switched off (linears in the checkpoint's [out, in] layout, rotary
@@ -15,6 +16,8 @@ FBGEMM's float16-weight GEMM (pipeline/model/packed.py), beside the engine as it
 --compare-kernel: the engine with FBGEMM's float16-weight GEMM where it runs the native
 half_gemm (pipeline/model/native.py), beside the engine as it runs.
 --compare-norm: the engine with torch's RMSNorm where it runs the C one, beside it.
+--compare-layer: the engine with torch's attention (RoPE, cache write, mask, SDPA) and its
+layers as modules, where it runs the C attention and each decoder layer as one C call, beside it.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch  # noqa: E402
 
 from pipeline.bench.step_costs import baseline_engine, measure, measure_many, table  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
-from pipeline.model.layers import RMSNorm  # noqa: E402
+from pipeline.model.layers import Attention, DecoderLayer, RMSNorm  # noqa: E402
 
 DEMO = ROOT / "pipeline" / "assets" / "demo" / "model"
 
@@ -67,6 +70,8 @@ def main(argv=None) -> None:
                     help="also time FBGEMM's float16-weight GEMM in place of the native one (see above), interleaved")
     ap.add_argument("--compare-norm", action="store_true",
                     help="also time torch's RMSNorm in place of the C one (see above), interleaved")
+    ap.add_argument("--compare-layer", action="store_true",
+                    help="also time torch's attention and per-module layers in place of the C ones (see above)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,8 +83,17 @@ def main(argv=None) -> None:
           f"{args.stat} of {args.reps}, {args.clock} clock\n")
     stat = min if args.stat == "min" else statistics.median
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    if args.compare or args.compare_gemm or args.compare_kernel or args.compare_norm:
-        if args.compare_norm:
+    if args.compare or args.compare_gemm or args.compare_kernel or args.compare_norm or args.compare_layer:
+        if args.compare_layer:
+            modules_engine = Engine.from_pretrained(args.model, device=args.device)
+            set_draft_vocab(modules_engine, args.draft_vocab)
+            for module in [*modules_engine.target.modules(), *(m for h in modules_engine.heads for m in h.modules())]:
+                if isinstance(module, DecoderLayer):
+                    module.native_layer = None
+                if isinstance(module, Attention):
+                    module.native = None
+            engines = {"torch attention, module layers": modules_engine, "C attention, C layers": engine}
+        elif args.compare_norm:
             torch_norm = Engine.from_pretrained(args.model, device=args.device)
             set_draft_vocab(torch_norm, args.draft_vocab)
             for module in [*torch_norm.target.modules(), *(m for h in torch_norm.heads for m in h.modules())]:

@@ -194,6 +194,8 @@ def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, t
     assert {m.kernel for m in modules if isinstance(m, Fp16WeightLinear)} == {kernel}
     if native.library() is not None:          # and the norms' and attention's C kernels, whichever GEMM
         assert all(m.native is not None for m in modules if isinstance(m, (RMSNorm, Attention)))
+    layers = [*engine.target.model.layers, *engine.heads]
+    assert all((layer.native_layer is not None) == (kernel == "native") for layer in layers)   # one C call a layer
     for gamma in (0, 1, 3, 5, "auto"):
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma)
         assert [o.token_ids for o in outs] == refs, f"gamma={gamma}"

@@ -392,3 +392,70 @@ def _without_native(attn, x, batch, cache):
         return attn.forward(x, batch, cache, 0)
     finally:
         attn.native = spy
+
+
+@pytest.mark.parametrize("qkv_bias,window", [(False, None), (True, 4)])
+def test_native_decoder_layer_is_the_modules_forward(qkv_bias, window, monkeypatch):
+    """A packed, fused DecoderLayer as one C call (native.decoder_layer) against the same layer
+    through its modules with torch's attention: a step's shapes (1-3 rows of 1-6
+    tokens, cache rows out of order, key holes), biases, a sliding window; the same cache
+    writes (to rounding: past its crossover a module's linear is MKL's). Past its linears'
+    float16 rows the layer takes the modules."""
+    from pipeline.model import native
+    from pipeline.model.cache import Batch, KVCache
+    from pipeline.model.config import ArchConfig
+    from pipeline.model import packed
+    from pipeline.model.layers import DecoderLayer
+    from pipeline.model.packed import pack_linears_
+    _kernel_or_skip("native")
+    monkeypatch.setattr(packed, "fp16_kernel", lambda: "native")       # whatever torch's thread count
+    cfg = ArchConfig("LlamaForCausalLM", 64, 48, 80, 1, 6, 2, 8, 1e-6, 512, False, qkv_bias, False, False, False,
+                     (window,), 0, ())
+    gen = torch.Generator().manual_seed(3)
+    layer = DecoderLayer(cfg, window)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.3).half().float())
+    layer.fuse_()
+    pack_linears_(layer)
+    nl = layer.native_layer
+    assert nl is not None
+    nl.max_tokens = None                                    # whatever this machine's crossover
+    calls = []
+    real = nl.lib
+
+    class Spy:
+        def decoder_layer(self, *a):
+            calls.append(a[1] * a[2])
+            return real.decoder_layer(*a)
+    nl.lib = Spy()
+    for n, q, rows, holes in ((1, 1, None, False), (2, 3, [4, 1], True), (3, 6, [0, 2, 5], False)):
+        positions = torch.randint(0, 30, (n, 1), generator=gen) + torch.arange(q)
+        angles = positions[..., None].float() * torch.linspace(0.05, 1.0, 8)
+        x = torch.randn(n, q, 48, generator=gen)
+        valid = torch.rand(n, 40, generator=gen) > 0.3 if holes else None
+        outs, caches = [], []
+        for on in (True, False):
+            cache = KVCache(1, 6, 40, 2, 8, torch.float32, "cpu")
+            batch = Batch.make(positions, rows=None if rows is None else torch.tensor(rows), kv_len=40,
+                               key_valid=valid)
+            batch.cos, batch.sin = angles.cos(), angles.sin()
+            saved = [(layer.self_attn, layer.self_attn.native)]       # the reference: torch's attention
+            if not on:
+                layer.native_layer = None
+                for m, _ in saved:
+                    m.native = None
+            outs.append(layer.block(x, batch, cache, 0))
+            caches.append(cache)
+            layer.native_layer = nl
+            for m, lib in saved:
+                m.native = lib
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[0].k, caches[1].k, rtol=1e-5, atol=1e-6)   # the modules' linears
+        torch.testing.assert_close(caches[0].v, caches[1].v, rtol=1e-5, atol=1e-6)   # may be MKL's past 8 rows
+    assert calls == [1, 6, 18]
+    nl.max_tokens = 6                                       # its linears' float16 rows: 18 tokens take the modules
+    batch = Batch.make(torch.arange(6).expand(3, 6) + 2, kv_len=40)
+    batch.cos, batch.sin = torch.ones(3, 6, 8), torch.zeros(3, 6, 8)
+    layer.block(torch.randn(3, 6, 48), batch, KVCache(1, 3, 40, 2, 8, torch.float32, "cpu"), 0)
+    assert calls == [1, 6, 18]

@@ -287,3 +287,42 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
     free(qs);
     return 0;
 }
+
+/* A decoder layer's weights as the C layer reads them (pipeline/model/native.py LayerWeights):
+ * norms float32, linears packed float16 (half_gemm's panels), biases padded or NULL. */
+typedef struct {
+    int hidden, hq, hk, d, inter;
+    float eps_in, eps_post;
+    const float *norm_in, *norm_post;
+    const uint16_t *qkv, *o, *gate_up, *down;
+    const float *qkv_b, *o_b, *gate_up_b, *down_b;
+} Layer;
+
+/* y = x + attn(norm_in(x)); y += mlp(norm_post(y)) for m = n * q tokens, as DecoderLayer.block with
+ * fused q|k|v and gate|up projections: one call where the Python layer makes ~25 (norms, five
+ * linears, attention, SiLU-and-product, residuals). silu(g) = g / (1 + e^-g) in float32.
+ * scratch: floats for [m, hidden + (hq + 2 hk) d + hq d + 3 inter] (`layer_scratch`).
+ * The attention arguments as `attend`'s. Returns 0, or -1 where attention could not allocate. */
+int decoder_layer(const Layer *L, int n, int q, const float *x, float *y, const float *cos, const float *sin,
+                  const int64_t *rows, const int64_t *pos, float *kc, float *vc, int cap,
+                  const uint8_t *valid, int vstride, int window, float scale, float *scratch) {
+    size_t m = (size_t)n * q;
+    int h = L->hidden, qd = (L->hq + 2 * L->hk) * L->d, ad = L->hq * L->d, inter = L->inter;
+    float *t = scratch, *qkv = t + m * h, *a = qkv + m * qd, *gu = a + m * ad, *act = gu + m * 2 * inter;
+    rms_norm((int)m, h, x, L->norm_in, L->eps_in, t);
+    half_gemm((int)m, h, qd, t, L->qkv, L->qkv_b, qkv);
+    if (attend(n, q, L->hq, L->hk, L->d, cap, qkv, cos, sin, rows, pos, kc, vc, valid, vstride, window, scale, a))
+        return -1;
+    half_gemm((int)m, ad, h, a, L->o, L->o_b, t);
+    for (size_t i = 0; i < m * h; i++) y[i] = x[i] + t[i];
+    rms_norm((int)m, h, y, L->norm_post, L->eps_post, t);
+    half_gemm((int)m, h, 2 * inter, t, L->gate_up, L->gate_up_b, gu);
+    for (size_t r = 0; r < m; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = act + r * inter;
+        for (int j = 0; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+    half_gemm((int)m, inter, h, act, L->down, L->down_b, t);
+    for (size_t i = 0; i < m * h; i++) y[i] += t[i];
+    return 0;
+}

@@ -164,8 +164,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.native_layer = None   # CPU inference: the whole layer as one C call (native.layer_weights), set by pack_linears_
 
     def block(self, x: torch.Tensor, batch: Batch, cache: KVCache | None, layer: int) -> torch.Tensor:
+        nl = self.native_layer
+        if (nl is not None and cache is not None and not batch.from_zero and x.dtype == cache.k.dtype == torch.float32
+                and (n := x.shape[0] * x.shape[1]) <= NATIVE_ATTN_TOKENS
+                and (nl.max_tokens is None or n <= nl.max_tokens) and not x.requires_grad):
+            return native.decoder_layer(nl, x, batch.positions, None if batch.prefix else batch.rows, batch.cos,
+                                        batch.sin, cache.k[layer], cache.v[layer], batch.key_valid,
+                                        self.self_attn.window, self.self_attn.head_dim)
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), batch, cache, layer)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 

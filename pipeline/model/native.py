@@ -112,6 +112,10 @@ def library():
     lib.attend.restype = ctypes.c_int
     lib.attend.argtypes = ([ctypes.c_int] * 6 + [ctypes.c_void_p] * 8 + [ctypes.c_int] * 2
                            + [ctypes.c_float, ctypes.c_void_p])
+    lib.decoder_layer.restype = ctypes.c_int
+    lib.decoder_layer.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 8
+                                  + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2
+                                  + [ctypes.c_float, ctypes.c_void_p])
     return lib if _agrees(lib) else None
 
 
@@ -186,6 +190,71 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
         if status:
             raise MemoryError("attend: no memory for its scratch")
     return out
+
+
+class LayerWeights(ctypes.Structure):
+    """A decoder layer's sizes and weight pointers as half_gemm.c's `Layer` reads them."""
+    _fields_ = ([(f, ctypes.c_int) for f in ("hidden", "hq", "hk", "d", "inter")]
+                + [("eps_in", ctypes.c_float), ("eps_post", ctypes.c_float)]
+                + [(f, ctypes.c_void_p) for f in ("norm_in", "norm_post", "qkv", "o", "gate_up", "down",
+                                                  "qkv_b", "o_b", "gate_up_b", "down_b")])
+
+
+class NativeLayer:
+    """A DecoderLayer as one C call (`decoder_layer`) for forwards of up to `max_tokens` tokens:
+    its weights' pointers (the module keeps the tensors alive) and the scratch size per token."""
+
+    def __init__(self, weights: LayerWeights, max_tokens: int | None, scratch: int, lib):
+        self.weights, self.max_tokens, self.scratch, self.lib = weights, max_tokens, scratch, lib
+        self.ref = ctypes.byref(weights)
+
+
+def layer_weights(layer) -> NativeLayer | None:
+    """The C form of `layer` (a pipeline.model.layers.DecoderLayer, fused and packed), or None
+    where one of its parts is not what decoder_layer computes: q/k norms, an unfused projection,
+    a linear not on the native float16 GEMM, a norm not in float32, or no library."""
+    lib = library()
+    attn, mlp = layer.self_attn, layer.mlp
+    if lib is None or not (attn.fused and mlp.fused) or attn.qk_norm:
+        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not all(getattr(m, "kernel", None) == "native" for m in linears):
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
+        return None
+    caps = [m.max_rows for m in linears if m.max_rows is not None]
+    w = LayerWeights(attn.o_proj.out_features, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                     mlp.down_proj.in_features, norms[0].eps, norms[1].eps, norms[0].weight.data_ptr(),
+                     norms[1].weight.data_ptr(), *(m._ptrs[0] for m in linears), *(m._ptrs[1] for m in linears))
+    hq_d, qkv_d = attn.num_heads * attn.head_dim, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+    return NativeLayer(w, min(caps) if caps else None, w.hidden + qkv_d + hq_d + 3 * w.inter, lib)
+
+
+def decoder_layer(native_layer: NativeLayer, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  valid: torch.Tensor | None, window: int | None, head_dim: int) -> torch.Tensor:
+    """DecoderLayer.block in one C call: x [n, q, hidden] float32 -> [n, q, hidden]; the other
+    arguments as `attend`'s (k_cache, v_cache: the layer's [B, hk, T, d])."""
+    n, q = positions.shape
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    scratch = torch.empty(n * q * native_layer.scratch)
+    positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
+    rows = None if rows is None else rows.contiguous()       # named: a temporary's memory would go
+    stride = 0
+    if valid is not None:
+        if valid.stride(-1) != 1:
+            valid = valid.contiguous()
+        stride = valid.stride(0)
+    status = native_layer.lib.decoder_layer(
+        native_layer.ref, n, q, x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        None if rows is None else rows.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), k_cache.shape[2], None if valid is None else valid.data_ptr(), stride, window or 0,
+        head_dim ** -0.5, scratch.data_ptr())
+    if status:
+        raise MemoryError("decoder_layer: no memory for attention's scratch")
+    return y
 
 
 def _agrees(lib) -> bool:

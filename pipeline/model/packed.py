@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from pipeline.model import native
-from pipeline.model.layers import Attention, RMSNorm
+from pipeline.model.layers import Attention, DecoderLayer, RMSNorm
 
 
 class PackedLinear(nn.Module):
@@ -211,6 +211,8 @@ def pack_linears_(module: nn.Module) -> None:
             if isinstance(child, Attention) and next(child.parameters()).device.type == "cpu":
                 child.native = native.library()
             pack_linears_(child)
+    if isinstance(module, DecoderLayer):          # its linears packed now: the whole layer as one C call
+        module.native_layer = native.layer_weights(module)
 
 
 def packing_pays(device: torch.device) -> bool:
