@@ -16,8 +16,8 @@ FBGEMM's float16-weight GEMM (pipeline/model/packed.py), beside the engine as it
 --compare-kernel: the engine with FBGEMM's float16-weight GEMM where it runs the native
 half_gemm (pipeline/model/native.py), beside the engine as it runs.
 --compare-norm: the engine with torch's RMSNorm where it runs the C one, beside it.
---compare-layer: the engine with torch's attention (RoPE, cache write, mask, SDPA) and its
-layers as modules, where it runs the C attention and each decoder layer as one C call, beside it.
+--compare-layer: the engine with torch's attention (RoPE, cache write, mask, SDPA), its layers
+and heads as modules and its greedy drafting in Python, where it runs them as C calls, beside it.
 """
 from __future__ import annotations
 
@@ -92,6 +92,8 @@ def main(argv=None) -> None:
                     module.native_layer = None
                 if isinstance(module, Attention):
                     module.native = None
+            for head in modules_engine.heads:
+                head.native_head = None            # and the heads' forward and greedy drafting in C
             engines = {"torch attention, module layers": modules_engine, "C attention, C layers": engine}
         elif args.compare_norm:
             torch_norm = Engine.from_pretrained(args.model, device=args.device)

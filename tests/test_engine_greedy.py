@@ -196,6 +196,10 @@ def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, t
         assert all(m.native is not None for m in modules if isinstance(m, (RMSNorm, Attention)))
     layers = [*engine.target.model.layers, *engine.heads]
     assert all((layer.native_layer is not None) == (kernel == "native") for layer in layers)   # one C call a layer
+    drafted_in_c = []
+    greedy_c = native.mtp_greedy
+    monkeypatch.setattr(native, "mtp_greedy", lambda *a, **k: drafted_in_c.append(a[2]) or greedy_c(*a, **k))
     for gamma in (0, 1, 3, 5, "auto"):
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma)
         assert [o.token_ids for o in outs] == refs, f"gamma={gamma}"
+    assert bool(drafted_in_c) == (kernel == "native")      # greedy drafts by the heads' C path

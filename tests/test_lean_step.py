@@ -459,3 +459,89 @@ def test_native_decoder_layer_is_the_modules_forward(qkv_bias, window, monkeypat
     batch.cos, batch.sin = torch.ones(3, 6, 8), torch.zeros(3, 6, 8)
     layer.block(torch.randn(3, 6, 48), batch, KVCache(1, 3, 40, 2, 8, torch.float32, "cpu"), 0)
     assert calls == [1, 6, 18]
+
+
+def _native_demo_like_engine(tmp_path, monkeypatch, heads=2):
+    """A tiny checkpoint whose weights float16 holds, loaded with every CPU linear on the native
+    float16 GEMM (whatever this machine's thread count and crossover), heads over a draft
+    vocabulary."""
+    from pipeline.demo.build import store_weights
+    from pipeline.model import packed
+    from pipeline.model.tiny import make_tiny_checkpoint
+    _kernel_or_skip("native")
+    monkeypatch.setattr(packed, "fp16_kernel", lambda: "native")
+    monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *shape: 16)
+    path = make_tiny_checkpoint(tmp_path / "m", arch="llama", num_mtp_layers=heads, draftable=0.1,
+                                with_tokenizer=False)
+    store_weights(path, "bfloat16", log=lambda _: None)
+    engine = Engine.from_pretrained(str(path), device="cpu", max_batch_size=3)
+    for head in engine.heads:
+        head.set_draft_vocab(torch.arange(0, 128, 2))
+    return engine
+
+
+def test_native_mtp_head_forward_is_the_modules_forward(tmp_path, monkeypatch):
+    """MTPHead.forward as one C call (embedding, the two norms, eh_proj, the layer) against the
+    same head through its modules, at a fill's and a draft depth's shapes, with key holes."""
+    from pipeline.model.cache import Batch, KVCache
+    engine = _native_demo_like_engine(tmp_path, monkeypatch)
+    head = engine.heads[0]
+    assert head.native_head is not None
+    attn = head.self_attn
+    gen = torch.Generator().manual_seed(0)
+    for n, q in ((1, 1), (3, 4)):
+        prev = torch.randn(n, q, engine.config.hidden_size, generator=gen)
+        ids = torch.randint(0, 128, (n, q), generator=gen)
+        positions = torch.randint(0, 20, (n, 1), generator=gen) + torch.arange(q)
+        valid = torch.rand(n, 32, generator=gen) > 0.3
+        outs, caches = [], []
+        for on in (True, False):
+            cache = KVCache(1, 3, 32, attn.num_kv_heads, attn.head_dim, torch.float32, "cpu")
+            batch = Batch.make(positions, kv_len=32, key_valid=valid)
+            saved = head.native_head, head.native_layer, attn.native
+            if not on:
+                head.native_head = head.native_layer = attn.native = None
+            with torch.inference_mode():
+                outs.append(head(prev, ids, batch, cache, 0))
+            head.native_head, head.native_layer, attn.native = saved
+            caches.append(cache)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[0].k, caches[1].k, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_greedy_drafts_in_c_are_the_python_loops(tmp_path, monkeypatch, heads):
+    """The MTP drafter's greedy C path (native.mtp_greedy: each head's depths in one call) drafts
+    what its Python loop drafts, over two steps (fills, carries and masks as a generate call
+    leaves them), at gamma 1-5 with one head and with two (depth 1 from the first head, the
+    rest from the second), for 1 and 3 rows."""
+    from pipeline.engine.drafter import PendingFill
+    from pipeline.engine.drafters.mtp import MTPSource
+    from pipeline.model import native
+    from pipeline.spec_decode.sampling import GREEDY_PICK, argmax_last
+    engine = _native_demo_like_engine(tmp_path, monkeypatch, heads)
+    calls = []
+    real = native.mtp_greedy
+    monkeypatch.setattr(native, "mtp_greedy", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    python_pick = lambda logits, _: (argmax_last(logits), None)      # noqa: E731  (not marked greedy)
+    hidden = engine.config.hidden_size
+    for n in (1, 3):
+        for gamma in range(1, 6):
+            gen = torch.Generator().manual_seed(10 * n + gamma)
+            drafters = [MTPSource.for_engine(engine, 3, 64).drafter for _ in range(2)]
+            start = torch.randint(5, 20, (n,), generator=gen)
+            for step in range(2):
+                w = 3
+                fill = dict(hidden=torch.randn(n, w, hidden, generator=gen), next_ids=torch.randint(0, 128, (n, w), generator=gen),
+                            count=torch.randint(1, w + 1, (n,), generator=gen))
+                got = []
+                for d, pick in zip(drafters, (GREEDY_PICK, python_pick)):
+                    d.add_pending(PendingFill(torch.arange(n), start.clone(), fill["hidden"], fill["next_ids"],
+                                              fill["count"], slots=list(range(n)), counts=fill["count"].tolist()))
+                    with torch.inference_mode():
+                        drafts, probs = d.propose(n, start + fill["count"], gamma, pick)
+                    got.append(drafts)
+                assert torch.equal(got[0], got[1]), (n, gamma, step)
+                start = start + fill["count"]
+    runs = sum(1 if heads == 1 or gamma == 1 else 2 for gamma in range(1, 6))     # a call per head's run of depths
+    assert len(calls) == 2 * 2 * runs                                             # (rows 1 and 3, two steps)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.draft_vocab import full_vocab_logits, to_full_vocab
 from pipeline.model.mtp import head_for_depth
@@ -299,10 +300,18 @@ class Drafter:
         self.step_fill_tokens = 0
         for p in self.pending:
             if p.rows.numel():
-                first_out[p.rows] = self._fill(p)
+                got = self._fill(p)
+                if p.slots is not None and len(p.slots) == n and p.slots == list(range(n)):
+                    first_out = got              # every row, in order (it supersedes earlier fills)
+                else:
+                    first_out[p.rows] = got
                 self.step_fill_tokens += p.next_ids.numel()
         self.pending = []
         self.held.update(range(n))                 # every drafting row's entries are filled now
+        if getattr(pick, "greedy", False) and not self.full_vocab_picks:
+            drafts = self._greedy_native(n, lengths, gamma, first_out)
+            if drafts is not None:
+                return drafts, None
         k = len(self.heads)
         out, drafts, probs = first_out, [], []
         deepest = int(lengths.max()) + gamma - 1 if gamma > 1 else 0   # keys the last depth reads
@@ -325,6 +334,31 @@ class Drafter:
             probs.append(prob)
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
         return torch.stack(drafts, dim=1), draft_probs
+
+    def _greedy_native(self, n: int, lengths: torch.Tensor, gamma: int, out: torch.Tensor) -> torch.Tensor | None:
+        """Greedy drafts [n, gamma] as `propose`'s loop makes them, by one C call per head
+        (native.mtp_greedy: its forward, output and argmax at each of its depths), from `out`
+        [n, hidden], depth 1's hidden state (overwritten); None where a head has no C path for
+        n rows (not CPU float32, a linear off the native GEMM) or RoPE has no tables."""
+        heads, k = self.heads, len(self.heads)
+        nds = [head.greedy_native() for head in heads[:min(k, gamma)]]
+        if out.dtype != torch.float32 or any(nd is None or (nd.max_tokens is not None and n > nd.max_tokens)
+                                             for nd in nds):
+            return None
+        deepest = int(lengths.max()) + gamma - 1 if gamma > 1 else 0
+        tables = heads[0]._target.rope_tables(deepest + 1)
+        if tables is None:
+            return None
+        tokens = torch.empty(n, gamma, dtype=torch.long, device=out.device)
+        h, depth = out.contiguous(), 1
+        while depth <= gamma:                    # a run of depths drafted by one head
+            c = head_for_depth(k, depth)
+            last = depth if c < k - 1 else gamma
+            valid = self._visible(c, n, lengths, gamma, deepest) if last >= 2 else None
+            native.mtp_greedy(nds[c], n, depth, last, h, lengths, *tables, self.cache.k[c], self.cache.v[c], valid,
+                              heads[c].self_attn.window, tokens)
+            depth = last + 1
+        return tokens
 
     def _visible(self, c: int, n: int, lengths: torch.Tensor, gamma: int, deepest: int) -> torch.Tensor:
         """[n, deepest] keys head c may attend while drafting: its filled entries, and the drafts
@@ -349,27 +383,36 @@ class Drafter:
 
     def _fill(self, p: PendingFill) -> torch.Tensor:
         """Run every head over a pending range (cascade); returns head 1's output at the last
-        valid position of each row, from which depth 1 is drafted."""
+        valid position of each row, from which depth 1 is drafted. A step's fill of rows
+        0..r-1 (`prefix`) reads and writes the heads' masks through views, not gathers."""
         r, w = p.next_ids.shape
-        steps = torch.arange(w, device=p.rows.device)
+        dev = p.rows.device
+        prefix = p.slots is not None and p.slots == list(range(r))
+        rows = slice(0, r) if prefix else p.rows
+        steps = torch.arange(w, device=dev)
         positions = p.start[:, None] + steps                                   # [r, w]
         in_range = steps < p.count[:, None]                                    # [r, w]
         last = p.count - 1
-        idx = torch.arange(r, device=p.rows.device)
+        idx = torch.arange(r, device=dev)
         kv_len = int(positions.max()) + 1
         prev, first = p.hidden, None
         for c, head in enumerate(self.heads):
-            ok = in_range & ((steps >= c) | self.carry_ok[p.rows, None])
-            self.valid[c, p.rows[:, None], positions] = ok
-            if p.from_zero and c == 0:        # head 1 over a prompt: plain causal, no mask tensor
-                batch = Batch.from_start(r, w, p.rows.device, rows=p.rows)
+            ok = in_range if c == 0 else in_range & ((steps >= c) | self.carry_ok[rows, None])
+            if prefix:
+                self.valid[c, :r].scatter_(1, positions, ok)
             else:
-                batch = Batch.make(positions, rows=p.rows, kv_len=kv_len, key_valid=self.valid[c, p.rows, :kv_len])
+                self.valid[c, p.rows[:, None], positions] = ok
+            if p.from_zero and c == 0:        # head 1 over a prompt: plain causal, no mask tensor
+                batch = Batch.from_start(r, w, dev, rows=p.rows)
+            else:
+                batch = Batch.make(positions, rows=None if prefix else p.rows, kv_len=kv_len,
+                                   key_valid=self.valid[c, rows, :kv_len])
             out = head(prev, p.next_ids, batch, self.cache, c)                 # [r, w, hidden]
             if c + 1 < len(self.heads):
-                prev = torch.cat([self.carry[c, p.rows][:, None], out[:, :-1]], dim=1)
-            self.carry[c, p.rows] = out[idx, last]
+                prev = torch.cat([self.carry[c, rows][:, None], out[:, :-1]], dim=1)
+            at_last = out[idx, last]
+            self.carry[c, rows] = at_last
             if first is None:
-                first = out[idx, last]
-        self.carry_ok[p.rows] = ~self.gap[p.rows] if p.from_zero else True
+                first = at_last
+        self.carry_ok[rows] = ~self.gap[rows] if p.from_zero else True
         return first

@@ -29,7 +29,7 @@ from pipeline.model.cache import Batch
 from pipeline.spec_decode import rng
 from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample, rejection_sample_ragged
 from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext
-from pipeline.spec_decode.sampling import argmax_last, filtered_probs, sample
+from pipeline.spec_decode.sampling import GREEDY_PICK, argmax_last, filtered_probs, sample
 from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ class GenerateRun:
                                                    waiting_fill_total_s=fills)), self.mtp_cap)
         t0 = time.perf_counter()
         keys = s.keys[:n]
-        pick = lambda lg, d: self._pick_draft(lg, keys, lengths + d)    # noqa: E731
+        pick = GREEDY_PICK if self.params.greedy else lambda lg, d: self._pick_draft(lg, keys, lengths + d)  # noqa: E731
         if self.planner is None:
             plan = StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=lengths.device), None, None, None, 0, None, None)
         else:

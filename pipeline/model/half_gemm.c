@@ -326,3 +326,75 @@ int decoder_layer(const Layer *L, int n, int q, const float *x, float *y, const 
     for (size_t i = 0; i < m * h; i++) y[i] += t[i];
     return 0;
 }
+
+/* An MTP head's input projection (pipeline/model/mtp.py): x = eh_proj([enorm(embed(t)), hnorm(h)]). */
+typedef struct {
+    int hidden;
+    float eps_e, eps_h;
+    const float *table, *enorm, *hnorm;     /* table: the token embedding [V, hidden] float32 */
+    const uint16_t *eh;
+    const float *eh_b;
+} MtpInput;
+
+/* An MTP head's forward, MTPHead.forward in one call: the input projection of tokens `ids` [n, q]
+ * and previous hidden states prev [n, q, hidden], then its decoder layer (`decoder_layer`, whose
+ * other arguments these are) into y [n, q, hidden]. scratch: floats for [m, 3 hidden] and the
+ * layer's. */
+int mtp_forward(const MtpInput *M, const Layer *L, int n, int q, const int64_t *ids, const float *prev, float *y,
+                const float *cos, const float *sin, const int64_t *rows, const int64_t *pos, float *kc, float *vc,
+                int cap, const uint8_t *valid, int vstride, int window, float scale, float *scratch) {
+    size_t m = (size_t)n * q;
+    int h = M->hidden;
+    float *cat = scratch, *x = cat + m * 2 * h, *rest = x + m * h;
+    for (size_t r = 0; r < m; r++) {
+        rms_norm(1, h, M->table + (size_t)ids[r] * h, M->enorm, M->eps_e, cat + r * 2 * h);
+        rms_norm(1, h, prev + r * h, M->hnorm, M->eps_h, cat + r * 2 * h + h);
+    }
+    half_gemm((int)m, 2 * h, h, cat, M->eh, M->eh_b, x);
+    return decoder_layer(L, n, q, x, y, cos, sin, rows, pos, kc, vc, cap, valid, vstride, window, scale, rest);
+}
+
+/* Greedy drafts of one MTP head at depths first..last (pipeline/engine/drafter.py): at depth j >= 2
+ * the head's forward on (h, the draft of depth j - 1) at position lengths + j - 2, then at every
+ * depth the draft = argmax over the output linear (its draft vocabulary `ids`, or all rows) of
+ * norm(h): one call for a step's depths where Python makes ~20 calls a depth.
+ * h [n, hidden]: the hidden state to draft from (depth `first`), left at depth `last`'s.
+ * tokens: int64 with row stride tstride, pointing at depth `first`'s column (the column before
+ * holds depth first - 1's draft where first >= 2). cos_t, sin_t: rotary tables [> max position, d]
+ * (sin folded). valid: the head's visible keys [n, vstride] (NULL where last < 2).
+ * scratch: floats for n * (2 d + 2 hidden + vout) and mtp_forward's for n tokens.
+ * The argmax is the first index of the largest value (torch.argmax's, NaN aside). */
+int mtp_greedy(const MtpInput *M, const Layer *L, const float *nw, float neps, const uint16_t *out_w,
+               const float *out_b, int vout, const int64_t *ids, int n, int first, int last, float *h,
+               const int64_t *lengths, const float *cos_t, const float *sin_t, float *kc, float *vc, int cap,
+               const uint8_t *valid, int vstride, int window, float scale, int64_t *tokens, int tstride,
+               float *scratch) {
+    int hd = M->hidden, d = L->d;
+    float *cs = scratch, *sn = cs + (size_t)n * d, *y = sn + (size_t)n * d, *nx = y + (size_t)n * hd;
+    float *lg = nx + (size_t)n * hd, *rest = lg + (size_t)n * vout;
+    int64_t pos[n], prev[n];
+    for (int j = first; j <= last; j++) {
+        int col = j - first;
+        if (j >= 2) {
+            for (int i = 0; i < n; i++) {
+                pos[i] = lengths[i] + j - 2;
+                prev[i] = tokens[(size_t)i * tstride + col - 1];
+                memcpy(cs + (size_t)i * d, cos_t + (size_t)pos[i] * d, sizeof(float) * d);
+                memcpy(sn + (size_t)i * d, sin_t + (size_t)pos[i] * d, sizeof(float) * d);
+            }
+            if (mtp_forward(M, L, n, 1, prev, h, y, cs, sn, NULL, pos, kc, vc, cap, valid, vstride, window, scale, rest))
+                return -1;
+            memcpy(h, y, sizeof(float) * (size_t)n * hd);
+        }
+        rms_norm(n, hd, h, nw, neps, nx);
+        half_gemm(n, hd, vout, nx, out_w, out_b, lg);
+        for (int i = 0; i < n; i++) {
+            const float *r = lg + (size_t)i * vout;
+            int best = 0;
+            for (int v = 1; v < vout; v++)
+                if (r[v] > r[best]) best = v;
+            tokens[(size_t)i * tstride + col] = ids ? ids[best] : best;
+        }
+    }
+    return 0;
+}

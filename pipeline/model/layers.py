@@ -7,7 +7,9 @@ The inference path (fused projections) calls submodules through `.forward`, not
 `nn.Module.__call__` (no hooks are used): at batch 1 on a CPU a step is ~40 small ops a layer,
 and `__call__`'s 2-4 us each were 7-9% of a demo step (docs/decisions.md, 2026-12-05). Flags
 like `fused` are plain attributes for the same reason (`hasattr` on a missing submodule raises
-inside `nn.Module.__getattr__`).
+inside `nn.Module.__getattr__`). On a CPU where pipeline.model.native builds, a step's layer is
+one C call (`DecoderLayer.native_layer`), or its attention is (`Attention.native`): the ops
+above cost more than a demo layer's arithmetic (docs/decisions.md, stop 50).
 """
 from __future__ import annotations
 
@@ -178,6 +180,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
     forward = block
+
+    def attach_native_(self) -> None:
+        """CPU inference, linears packed: the layer as one C call where it can be (native.layer_weights)."""
+        self.native_layer = native.layer_weights(self)
 
     def fuse_(self) -> None:
         self.self_attn.fuse_()

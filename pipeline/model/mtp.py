@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
-from pipeline.model.layers import DecoderLayer, RMSNorm
+from pipeline.model.layers import NATIVE_ATTN_TOKENS, DecoderLayer, RMSNorm
 from pipeline.model.packed import cpu_linear
 from pipeline.model.target import TargetModel
 
@@ -48,6 +49,8 @@ class MTPHead(DecoderLayer):
         self._target: TargetModel | None = None
         self.draft_ids: torch.Tensor | None = None      # [Vd] the draft vocabulary (None: all V)
         self.draft_head: nn.Module | None = None        # [hidden] -> [Vd]: its rows of the output head
+        self.native_head = None     # CPU inference: `forward` as one C call (native.head_weights), set by pack_linears_
+        self._greedy = None         # (native_head, draft_head, its native.NativeDraft), made on first use
 
     def bind(self, target: TargetModel) -> "MTPHead":
         """Share the target's embedding, output head and rotary tables (not registered as params)."""
@@ -74,9 +77,22 @@ class MTPHead(DecoderLayer):
         """prev_hidden: [n, q, hidden] (h_i); next_ids: [n, q] (t_{i+1}). Returns [n, q, hidden]."""
         target = self._target
         target.attach_rope(batch)
+        nh = self.native_head
+        if (nh is not None and cache is not None and not batch.from_zero and prev_hidden.dtype == torch.float32
+                and (n := next_ids.numel()) <= NATIVE_ATTN_TOKENS and (nh.max_tokens is None or n <= nh.max_tokens)
+                and not prev_hidden.requires_grad):
+            return native.mtp_forward(nh, prev_hidden, next_ids, batch.positions, None if batch.prefix else batch.rows,
+                                      batch.cos, batch.sin, cache.k[layer], cache.v[layer], batch.key_valid,
+                                      self.self_attn.window, self.self_attn.head_dim)
         emb = self.embed_tokens(next_ids) if self.embed_tokens is not None else target.embed(next_ids)
         x = self.eh_proj.forward(torch.cat([self.enorm.forward(emb), self.hnorm.forward(prev_hidden)], dim=-1))
         return self.block(x, batch, cache, layer)
+
+    def attach_native_(self) -> None:
+        """CPU inference, linears packed: the layer and the whole forward as C calls where they can be."""
+        super().attach_native_()
+        table = self.embed_tokens.weight if self.embed_tokens is not None else self._target.model.embed_tokens.weight
+        self.native_head = native.head_weights(self, table.detach())
 
     def forward_full(self, prev_hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """Causal forward over whole sequences from position 0, no cache (for training)."""
@@ -102,6 +118,16 @@ class MTPHead(DecoderLayer):
         if self.draft_ids is None:
             return self.logits(out), None
         return self.draft_head.forward(self.shared_head.norm.forward(out)).float(), self.draft_ids
+
+    def greedy_native(self):
+        """This head's greedy drafting as C calls (native.draft_weights) for the draft vocabulary
+        it has now, or None."""
+        if self.native_head is None:
+            return None
+        g = self._greedy
+        if g is None or g[0] is not self.native_head or g[1] is not self.draft_head:
+            g = self._greedy = (self.native_head, self.draft_head, native.draft_weights(self))
+        return g[2]
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Draft over token ids `ids` [Vd] (None: the full vocabulary). Inference only: the

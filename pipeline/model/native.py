@@ -116,6 +116,14 @@ def library():
     lib.decoder_layer.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 8
                                   + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2
                                   + [ctypes.c_float, ctypes.c_void_p])
+    lib.mtp_forward.restype = ctypes.c_int
+    lib.mtp_forward.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 9
+                                + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p])
+    lib.mtp_greedy.restype = ctypes.c_int
+    lib.mtp_greedy.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+                               + [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 6 + [ctypes.c_int]
+                               + [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p]
+                               + [ctypes.c_int, ctypes.c_void_p])
     return lib if _agrees(lib) else None
 
 
@@ -255,6 +263,118 @@ def decoder_layer(native_layer: NativeLayer, x: torch.Tensor, positions: torch.T
     if status:
         raise MemoryError("decoder_layer: no memory for attention's scratch")
     return y
+
+
+class MtpInput(ctypes.Structure):
+    """An MTP head's input projection as half_gemm.c's `MtpInput` reads it."""
+    _fields_ = [("hidden", ctypes.c_int), ("eps_e", ctypes.c_float), ("eps_h", ctypes.c_float)] + [
+        (f, ctypes.c_void_p) for f in ("table", "enorm", "hnorm", "eh", "eh_b")]
+
+
+class NativeHead:
+    """An MTP head's forward as one C call (`mtp_forward`): its input projection's pointers, its
+    layer's (`NativeLayer`), up to `max_tokens` tokens."""
+
+    def __init__(self, weights: MtpInput, layer: NativeLayer, max_tokens: int | None):
+        self.weights, self.layer, self.max_tokens = weights, layer, max_tokens
+        self.ref = ctypes.byref(weights)
+        self.scratch = 3 * weights.hidden + layer.scratch
+
+
+def head_weights(head, table: torch.Tensor) -> NativeHead | None:
+    """The C form of MTP head `head` (pipeline.model.mtp.MTPHead, its layer already C:
+    `native_layer`) with token embedding `table` [V, hidden], or None where its input
+    projection is not on the native float16 GEMM or a weight is not contiguous float32."""
+    layer, eh = head.native_layer, head.eh_proj
+    if layer is None or getattr(eh, "kernel", None) != "native":
+        return None
+    parts = (table, head.enorm.weight, head.hnorm.weight)
+    if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in parts):
+        return None
+    w = MtpInput(table.shape[1], head.enorm.eps, head.hnorm.eps, *(t.data_ptr() for t in parts), *eh._ptrs)
+    caps = [c for c in (eh.max_rows, layer.max_tokens) if c is not None]
+    return NativeHead(w, layer, min(caps) if caps else None)
+
+
+def mtp_forward(native_head: NativeHead, prev: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                rows: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, valid: torch.Tensor | None, window: int | None, head_dim: int) -> torch.Tensor:
+    """MTPHead.forward in one C call: prev [n, q, hidden] float32, ids [n, q] -> [n, q, hidden];
+    the other arguments as `decoder_layer`'s."""
+    n, q = positions.shape
+    prev, ids = prev.contiguous(), ids.contiguous()
+    y = torch.empty_like(prev)
+    scratch = torch.empty(n * q * native_head.scratch)
+    positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
+    rows = None if rows is None else rows.contiguous()       # named: a temporary's memory would go
+    stride = 0
+    if valid is not None:
+        if valid.stride(-1) != 1:
+            valid = valid.contiguous()
+        stride = valid.stride(0)
+    status = native_head.layer.lib.mtp_forward(
+        native_head.ref, native_head.layer.ref, n, q, ids.data_ptr(), prev.data_ptr(), y.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), None if rows is None else rows.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), k_cache.shape[2], None if valid is None else valid.data_ptr(), stride, window or 0,
+        head_dim ** -0.5, scratch.data_ptr())
+    if status:
+        raise MemoryError("mtp_forward: no memory for attention's scratch")
+    return y
+
+
+class NativeDraft:
+    """An MTP head's greedy drafting in C (`mtp_greedy`): its forward (`NativeHead`) and its
+    output: norm weight and eps, the output linear's packed weight (its draft vocabulary's rows,
+    or the whole head) with `ids` mapping its rows to token ids (None: row = token id)."""
+
+    def __init__(self, head: NativeHead, norm, linear, ids: torch.Tensor | None):
+        self.head, self.norm, self.linear = head, norm, linear
+        self.ids = None if ids is None else ids.to(torch.long).contiguous()
+        self.vout = linear.out_features
+        caps = [c for c in (head.max_tokens, linear.max_rows) if c is not None]
+        self.max_tokens = min(caps) if caps else None      # rows up to which the C path runs
+        layer = head.layer.weights
+        self.scratch = 2 * layer.d + 2 * layer.hidden + self.vout + head.scratch
+
+
+def draft_weights(head) -> NativeDraft | None:
+    """The C greedy drafting of MTP head `head` (its forward C: `native_head`), or None where its
+    output linear is not on the native float16 GEMM or its norm is not float32."""
+    nh = head.native_head
+    linear = head.draft_head if head.draft_ids is not None else head.shared_head.head
+    if linear is None and head.draft_ids is None:
+        target = head._target
+        linear = target.lm_head if target.lm_head is not None else target.tied_head
+    norm = head.shared_head.norm
+    if nh is None or getattr(linear, "kernel", None) != "native" or norm.weight.dtype != torch.float32:
+        return None
+    return NativeDraft(nh, norm, linear, head.draft_ids)
+
+
+def mtp_greedy(nd: NativeDraft, n: int, first: int, last: int, h: torch.Tensor, lengths: torch.Tensor,
+               cos_t: torch.Tensor, sin_t: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               valid: torch.Tensor | None, window: int | None, tokens: torch.Tensor) -> None:
+    """Greedy drafts at depths first..last of one head into tokens[:, first - 1:last] (tokens
+    [n, G] int64 contiguous, depth first - 1's draft in the column before where first >= 2);
+    h [n, hidden] float32 contiguous: the hidden state at depth `first`, overwritten. cos_t,
+    sin_t: rotary tables by position; valid: the head's visible keys [n, T] (bool)."""
+    layer = nd.head.layer
+    lengths = lengths.contiguous()
+    stride = 0
+    if valid is not None:
+        if valid.stride(-1) != 1:
+            valid = valid.contiguous()
+        stride = valid.stride(0)
+    scratch = torch.empty(n * nd.scratch)
+    w_ptr, b_ptr = nd.linear._ptrs
+    status = layer.lib.mtp_greedy(
+        nd.head.ref, layer.ref, nd.norm.weight.data_ptr(), nd.norm.eps, w_ptr, b_ptr, nd.vout,
+        None if nd.ids is None else nd.ids.data_ptr(), n, first, last, h.data_ptr(), lengths.data_ptr(),
+        cos_t.data_ptr(), sin_t.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2],
+        None if valid is None else valid.data_ptr(), stride, window or 0, layer.weights.d ** -0.5,
+        tokens.data_ptr() + (first - 1) * tokens.element_size(), tokens.stride(0), scratch.data_ptr())
+    if status:
+        raise MemoryError("mtp_greedy: no memory for attention's scratch")
 
 
 def _agrees(lib) -> bool:

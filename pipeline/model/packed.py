@@ -201,7 +201,9 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Mod
 
 def pack_linears_(module: nn.Module) -> None:
     """Replace every nn.Linear under `module` by its `cpu_linear` (in place), and give every
-    RMSNorm the C kernels where they build (pipeline.model.native), for its few-row calls."""
+    RMSNorm and attention the C kernels where they build (pipeline.model.native), for a step's
+    few rows; a decoder layer whose linears all run half_gemm becomes one C call
+    (`native.layer_weights`)."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             setattr(module, name, cpu_linear(child.weight, child.bias))
@@ -212,7 +214,7 @@ def pack_linears_(module: nn.Module) -> None:
                 child.native = native.library()
             pack_linears_(child)
     if isinstance(module, DecoderLayer):          # its linears packed now: the whole layer as one C call
-        module.native_layer = native.layer_weights(module)
+        module.attach_native_()
 
 
 def packing_pays(device: torch.device) -> bool:

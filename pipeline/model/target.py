@@ -53,19 +53,26 @@ class TargetModel(nn.Module):
         values, each entry being one product and its cos/sin). RoPE types whose frequencies
         change with the sequence length (dynamic, longrope), and training, compute them per forward."""
         if batch.cos is None:
-            dummy = self.model.norm.weight
-            per_forward = "dynamic" in self.rotary.rope_type or self.rotary.rope_type == "longrope"
-            if per_forward or torch.is_grad_enabled() or not self.rope_table:   # training: no cached inference tensors
-                batch.cos, sin = self.rotary(dummy, batch.positions)            # [n, q, head_dim]
+            tables = None if torch.is_grad_enabled() else self.rope_tables(batch.kv_len)  # training: no cached tensors
+            if tables is None:
+                batch.cos, sin = self.rotary(self.model.norm.weight, batch.positions)     # [n, q, head_dim]
                 batch.sin = fold_sin(sin)
                 return batch
-            if self._rope_cos is None or self._rope_cos.shape[0] < batch.kv_len:
-                held = 0 if self._rope_cos is None else self._rope_cos.shape[0]
-                length = max(batch.kv_len, 2 * held, 256)
-                cos, sin = self.rotary(dummy, torch.arange(length, device=dummy.device)[None])
-                self._rope_cos, self._rope_sin = cos[0], fold_sin(sin[0])       # [length, head_dim]
-            batch.cos, batch.sin = self._rope_cos[batch.positions], self._rope_sin[batch.positions]
+            batch.cos, batch.sin = tables[0][batch.positions], tables[1][batch.positions]
         return batch
+
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin folded) [>= length, head_dim] by position (grown as needed), or None where
+        RoPE's frequencies depend on the sequence (dynamic, longrope) or tables are off."""
+        per_forward = "dynamic" in self.rotary.rope_type or self.rotary.rope_type == "longrope"
+        if per_forward or not self.rope_table:
+            return None
+        if self._rope_cos is None or self._rope_cos.shape[0] < length:
+            held = 0 if self._rope_cos is None else self._rope_cos.shape[0]
+            dummy = self.model.norm.weight
+            cos, sin = self.rotary(dummy, torch.arange(max(length, 2 * held, 256), device=dummy.device)[None])
+            self._rope_cos, self._rope_sin = cos[0], fold_sin(sin[0])           # [length, head_dim]
+        return self._rope_cos, self._rope_sin
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)

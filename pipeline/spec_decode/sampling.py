@@ -93,3 +93,16 @@ def sparse_coupled_sample(probs: torch.Tensor, seed: int, row_keys: torch.Tensor
     values, ids = probs.topk(kept, dim=-1)                                       # [..., kept]
     noise = rng.exponential_noise(seed, row_keys, positions, probs.shape[-1], tokens=ids)
     return ids.gather(-1, coupled_sample(values, noise)[..., None])[..., 0]
+
+
+class GreedyPick:
+    """The draft pick of greedy decoding, `pick(logits, depth) -> (argmax, None)`, marked
+    `greedy` so a drafter may take the argmax its own way (the MTP drafter's C path,
+    pipeline.engine.drafter)."""
+    greedy = True
+
+    def __call__(self, logits: torch.Tensor, depth: int):
+        return argmax_last(logits), None
+
+
+GREEDY_PICK = GreedyPick()

@@ -6,7 +6,7 @@ import torch
 
 from pipeline.engine.drafter import Drafter, PendingFill
 from pipeline.engine.drafters.base import DraftRequest, Proposal
-from pipeline.spec_decode.sampling import argmax_last
+from pipeline.spec_decode.sampling import GREEDY_PICK
 
 
 class MTPSource:
@@ -52,7 +52,7 @@ class MTPSource:
 
         def run():
             d.add_pending(fill)
-            return d.propose(rows, lengths, depth, lambda logits, _: (argmax_last(logits), None))
+            return d.propose(rows, lengths, depth, GREEDY_PICK)
         return run
 
     def after_prefill(self, slots, hidden, ids, lens, first) -> None:
