@@ -98,6 +98,8 @@ def test_the_profile_cache_is_keyed_by_the_step_code(shipped, monkeypatch):
     assert key == ws.profile_key(engine, 128) and len(ws.code_fingerprint()) == 24
     monkeypatch.setattr(ws, "code_fingerprint", lambda: "an older engine")
     assert ws.profile_key(engine, 128) != key
+    names = {f.relative_to(ws.Path(ws.__file__).resolve().parents[1]).as_posix() for f in ws.step_code_files()}
+    assert {"model/half_gemm.c", "model/native.py", "engine/run.py", "spec_decode/cost.py"} <= names   # the C kernels too
 
 
 def test_a_pooled_prior_of_tasks_far_apart_is_light_and_still_skips_calibration(tmp_path):

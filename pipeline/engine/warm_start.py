@@ -88,16 +88,25 @@ def checkpoint_fingerprint(path) -> str:
 STEP_CODE = ("model", "engine", "spec_decode/cost.py")    # under pipeline/: what a profile times
 
 
-@lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """A hash of the source files that run a step (STEP_CODE), once per process."""
+def step_code_files() -> list[Path]:
+    """The source files that run a step (STEP_CODE under pipeline/): Python, and the C kernels
+    (pipeline/model/half_gemm.c) that the engine compiles."""
     root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
+    out = []
     for part in STEP_CODE:
         p = root / part
-        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
-            h.update(f.relative_to(root).as_posix().encode())
-            h.update(f.read_bytes())
+        out += sorted([*p.rglob("*.py"), *p.rglob("*.c")]) if p.is_dir() else [p]
+    return out
+
+
+@lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of `step_code_files`, once per process."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in step_code_files():
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
     return h.hexdigest()[:24]
 
 
