@@ -1,4 +1,8 @@
-/* y[m, n] = x[m, k] @ W[n, k]^T (+ b) for a few rows m, W stored as float16 in panels of 64
+/* A CPU step's few rows in C (pipeline/model/native.py): `half_gemm` (below), `rms_norm`,
+ * `attend` (RoPE, KV-cache write, attention), `decoder_layer` (a whole layer), `mtp_forward`
+ * (an MTP head) and `mtp_greedy` (a head's greedy drafts).
+ *
+ * half_gemm: y[m, n] = x[m, k] @ W[n, k]^T (+ b) for a few rows m, W stored as float16 in panels of 64
  * output columns, [n / 64][k][64]: a panel is read once, front to back, for up to 8 rows at a
  * time, each float16 weight widened to float32 in registers; products and sums in float32 (FMA),
  * so it is the float32 linear of a weight float16 holds, in another summation order.
@@ -8,7 +12,8 @@
  * does 24 FMAs per 128 bytes of weight read, and prefetching PREFETCH rows of the panel ahead
  * keeps the reads streaming, so 6 rows cost about what 1 does (pipeline/model/native.py).
  *
- * Compiled on the running machine by pipeline/model/native.py (-O3 -march=native); AVX-512F only:
+ * Compiled on the running machine by pipeline/model/native.py (-O3 -march=native
+ * -ffp-contract=off); AVX-512F only:
  * elsewhere it does not compile and the engine keeps torch's kernels. */
 #include <immintrin.h>
 #include <math.h>

@@ -95,7 +95,9 @@ def build(cache: Path | None = None) -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def library():
-    """The loaded kernels (ctypes library: `half_gemm`, `rms_norm`), or None (module docstring).
+    """The loaded kernels (ctypes library: `half_gemm`, `rms_norm`, `attend`, `decoder_layer`,
+    `mtp_forward`, `mtp_greedy`), or None (module docstring). `_agrees` checks the first two
+    against float64 math at load; the others are tested against torch's path (tests/test_lean_step.py).
     Once per process."""
     if os.environ.get("SPECBATCH_NATIVE", "1") == "0":
         return None
