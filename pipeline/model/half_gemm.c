@@ -231,7 +231,26 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
             }
             const float *K = kc + (r * hk + g) * cap * d, *V = vc + (r * hk + g) * cap * d;
             int keys = (int)(last - first + 1);
-            for (int j0 = 0; j0 < keys; j0 += 16) {             /* scores of 16 keys at a time */
+            if (nq <= QB) {                  /* a few queries: each key's dot products from its row */
+                for (int j = 0; j < keys; j++) {
+                    int64_t key = first + j;
+                    const float *kj = K + (size_t)key * d;
+                    __m512 acc[QB];
+                    for (int b = 0; b < QB; b++) acc[b] = _mm512_setzero_ps();
+                    for (int u = 0; u < d; u += 16) {
+                        __mmask16 m = d - u >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - u)) - 1);
+                        __m512 kv = _mm512_maskz_loadu_ps(m, kj + u);
+                        for (int b = 0; b < QB; b++)
+                            if (b < nq) acc[b] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qs + (size_t)b * d + u), kv, acc[b]);
+                    }
+                    int held = !ok || ok[key];
+                    for (int b = 0; b < nq; b++) {
+                        int seen = key <= hi[b] && key >= lo[b] && (held || key == hi[b]);
+                        w[(size_t)b * width + j] = seen ? _mm512_reduce_add_ps(acc[b]) * scale : -INFINITY;
+                    }
+                }
+            }
+            for (int j0 = 0; nq > QB && j0 < keys; j0 += 16) {   /* more: 16 keys at a time, gathered */
                 int in = keys - j0 < 16 ? keys - j0 : 16;
                 __mmask16 km = (__mmask16)((1u << in) - 1);
                 const float *base = K + (size_t)(first + j0) * d;
