@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from pipeline.bench.step_costs import baseline_engine, measure, measure_many, table  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.model.layers import Attention, DecoderLayer, RMSNorm  # noqa: E402
+from pipeline.model.mtp import MTPHead  # noqa: E402
 
 DEMO = ROOT / "pipeline" / "assets" / "demo" / "model"
 
@@ -48,6 +49,31 @@ def set_draft_vocab(engine, choice: str) -> None:
     ids = None if choice == "off" else torch.arange(int(choice), device=engine.device)
     for head in engine.heads:
         head.set_draft_vocab(ids)
+
+
+def engine_without(args, switch_off) -> Engine:
+    """The checkpoint loaded again with `switch_off(module)` applied to every module of its
+    target and heads: the engine beside which the one as it runs is timed."""
+    engine = Engine.from_pretrained(args.model, device=args.device)
+    set_draft_vocab(engine, args.draft_vocab)
+    for module in [*engine.target.modules(), *(m for h in engine.heads for m in h.modules())]:
+        switch_off(module)
+    return engine
+
+
+def _torch_norm(module) -> None:
+    if isinstance(module, RMSNorm):
+        module.native = None
+
+
+def _torch_layers(module) -> None:
+    """Torch's attention, layers as modules, heads' forward and greedy drafting in Python."""
+    if isinstance(module, DecoderLayer):
+        module.native_layer = None
+    if isinstance(module, Attention):
+        module.native = None
+    if isinstance(module, MTPHead):
+        module.native_head = None
 
 
 def main(argv=None) -> None:
@@ -85,23 +111,10 @@ def main(argv=None) -> None:
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.compare or args.compare_gemm or args.compare_kernel or args.compare_norm or args.compare_layer:
         if args.compare_layer:
-            modules_engine = Engine.from_pretrained(args.model, device=args.device)
-            set_draft_vocab(modules_engine, args.draft_vocab)
-            for module in [*modules_engine.target.modules(), *(m for h in modules_engine.heads for m in h.modules())]:
-                if isinstance(module, DecoderLayer):
-                    module.native_layer = None
-                if isinstance(module, Attention):
-                    module.native = None
-            for head in modules_engine.heads:
-                head.native_head = None            # and the heads' forward and greedy drafting in C
-            engines = {"torch attention, module layers": modules_engine, "C attention, C layers": engine}
+            engines = {"torch attention, module layers": engine_without(args, _torch_layers),
+                       "C attention, C layers": engine}
         elif args.compare_norm:
-            torch_norm = Engine.from_pretrained(args.model, device=args.device)
-            set_draft_vocab(torch_norm, args.draft_vocab)
-            for module in [*torch_norm.target.modules(), *(m for h in torch_norm.heads for m in h.modules())]:
-                if isinstance(module, RMSNorm):
-                    module.native = None
-            engines = {"torch RMSNorm": torch_norm, "C RMSNorm": engine}
+            engines = {"torch RMSNorm": engine_without(args, _torch_norm), "C RMSNorm": engine}
         elif args.compare_kernel:
             with mock.patch("pipeline.model.packed.fp16_kernel", lambda: "fbgemm"):
                 fbgemm = Engine.from_pretrained(args.model, device=args.device)

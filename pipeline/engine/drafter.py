@@ -356,7 +356,7 @@ class Drafter:
             last = depth if c < k - 1 else gamma
             valid = self._visible(c, n, lengths, gamma, deepest) if last >= 2 else None
             native.mtp_greedy(nds[c], n, depth, last, h, lengths, *tables, self.cache.k[c], self.cache.v[c], valid,
-                              heads[c].self_attn.window, tokens)
+                              tokens)
             depth = last + 1
         return tokens
 

@@ -27,6 +27,15 @@ NATIVE_ATTN_TOKENS = 512   # query tokens up to which a cached CPU attention tak
                            # (batch 48 at gamma 9); measured faster than SDPA up to 96 with 1 and 2 threads
 
 
+def native_step(x: torch.Tensor, batch: Batch, cache: KVCache | None, max_tokens: int | None = None) -> bool:
+    """Whether a forward of x [n, q, ...] takes the C kernels (pipeline.model.native): a cached
+    step, not a prefill from position 0, in float32 with a float32 cache, of at most
+    NATIVE_ATTN_TOKENS tokens and `max_tokens` (None: any), with no gradient wanted."""
+    n = x.shape[0] * x.shape[1]
+    return (cache is not None and not batch.from_zero and x.dtype == cache.k.dtype == torch.float32
+            and n <= NATIVE_ATTN_TOKENS and (max_tokens is None or n <= max_tokens) and not x.requires_grad)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -110,9 +119,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, cache: KVCache | None, layer: int) -> torch.Tensor:
         n, q, _ = x.shape
-        if (self.native is not None and cache is not None and not batch.from_zero and n * q <= NATIVE_ATTN_TOKENS
-                and self.fused and not self.qk_norm and x.dtype == cache.k.dtype == torch.float32
-                and not x.requires_grad):     # a step's tokens: RoPE, cache write and attention in one C call
+        if self.native is not None and self.fused and not self.qk_norm and native_step(x, batch, cache):
+            # a step's tokens: RoPE, cache write and attention in one C call
             qkv = self.qkv_proj.forward(x)
             out = native.attend(qkv, batch.cos, batch.sin, batch.positions, None if batch.prefix else batch.rows,
                                 cache.k[layer], cache.v[layer], batch.key_valid, self.window, self.num_heads,
@@ -170,12 +178,9 @@ class DecoderLayer(nn.Module):
 
     def block(self, x: torch.Tensor, batch: Batch, cache: KVCache | None, layer: int) -> torch.Tensor:
         nl = self.native_layer
-        if (nl is not None and cache is not None and not batch.from_zero and x.dtype == cache.k.dtype == torch.float32
-                and (n := x.shape[0] * x.shape[1]) <= NATIVE_ATTN_TOKENS
-                and (nl.max_tokens is None or n <= nl.max_tokens) and not x.requires_grad):
+        if nl is not None and native_step(x, batch, cache, nl.max_tokens):
             return native.decoder_layer(nl, x, batch.positions, None if batch.prefix else batch.rows, batch.cos,
-                                        batch.sin, cache.k[layer], cache.v[layer], batch.key_valid,
-                                        self.self_attn.window, self.self_attn.head_dim)
+                                        batch.sin, cache.k[layer], cache.v[layer], batch.key_valid)
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), batch, cache, layer)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 

@@ -24,7 +24,7 @@ from torch import nn
 from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
-from pipeline.model.layers import NATIVE_ATTN_TOKENS, DecoderLayer, RMSNorm
+from pipeline.model.layers import DecoderLayer, RMSNorm, native_step
 from pipeline.model.packed import cpu_linear
 from pipeline.model.target import TargetModel
 
@@ -78,12 +78,9 @@ class MTPHead(DecoderLayer):
         target = self._target
         target.attach_rope(batch)
         nh = self.native_head
-        if (nh is not None and cache is not None and not batch.from_zero and prev_hidden.dtype == torch.float32
-                and (n := next_ids.numel()) <= NATIVE_ATTN_TOKENS and (nh.max_tokens is None or n <= nh.max_tokens)
-                and not prev_hidden.requires_grad):
+        if nh is not None and native_step(prev_hidden, batch, cache, nh.max_tokens):
             return native.mtp_forward(nh, prev_hidden, next_ids, batch.positions, None if batch.prefix else batch.rows,
-                                      batch.cos, batch.sin, cache.k[layer], cache.v[layer], batch.key_valid,
-                                      self.self_attn.window, self.self_attn.head_dim)
+                                      batch.cos, batch.sin, cache.k[layer], cache.v[layer], batch.key_valid)
         emb = self.embed_tokens(next_ids) if self.embed_tokens is not None else target.embed(next_ids)
         x = self.eh_proj.forward(torch.cat([self.enorm.forward(emb), self.hnorm.forward(prev_hidden)], dim=-1))
         return self.block(x, batch, cache, layer)

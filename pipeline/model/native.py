@@ -171,6 +171,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib=None) -> tor
     return y
 
 
+def _attention_inputs(positions: torch.Tensor, rows: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      valid: torch.Tensor | None):
+    """The attention arguments as the C kernels read them: positions, rows, cos, sin contiguous,
+    and valid with unit stride along keys plus its row stride (0 without one). The caller keeps
+    the returned tensors while C reads them (a temporary's memory would go)."""
+    positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
+    rows = None if rows is None else rows.contiguous()
+    valid, stride = _valid_rows(valid)
+    return positions, rows, cos, sin, valid, stride
+
+
+def _valid_rows(valid: torch.Tensor | None):
+    """(valid with unit stride along keys, its row stride), or (None, 0)."""
+    if valid is None:
+        return None, 0
+    if valid.stride(-1) != 1:
+        valid = valid.contiguous()
+    return valid, valid.stride(0)
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
            rows: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
            valid: torch.Tensor | None, window: int | None, num_heads: int, lib=None) -> torch.Tensor:
@@ -186,17 +210,10 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     _, hk, cap, d = k_cache.shape
     out = qkv.new_empty(n, q, num_heads * d)
     if n and q:
-        positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
-        rows = None if rows is None else rows.contiguous()
-        stride = 0
-        if valid is not None:
-            if valid.stride(-1) != 1:
-                valid = valid.contiguous()
-            stride = valid.stride(0)
-        status = lib.attend(n, q, num_heads, hk, d, cap, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                   None if rows is None else rows.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
-                   v_cache.data_ptr(), None if valid is None else valid.data_ptr(), stride, window or 0,
-                   d ** -0.5, out.data_ptr())
+        positions, rows, cos, sin, valid, stride = _attention_inputs(positions, rows, cos, sin, valid)
+        status = lib.attend(n, q, num_heads, hk, d, cap, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), _ptr(rows),
+                            positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _ptr(valid), stride,
+                            window or 0, d ** -0.5, out.data_ptr())
         if status:
             raise MemoryError("attend: no memory for its scratch")
     return out
@@ -212,11 +229,13 @@ class LayerWeights(ctypes.Structure):
 
 class NativeLayer:
     """A DecoderLayer as one C call (`decoder_layer`) for forwards of up to `max_tokens` tokens:
-    its weights' pointers (the module keeps the tensors alive) and the scratch size per token."""
+    its weights' pointers (the module keeps the tensors alive), its attention window and the
+    scratch size per token."""
 
-    def __init__(self, weights: LayerWeights, max_tokens: int | None, scratch: int, lib):
-        self.weights, self.max_tokens, self.scratch, self.lib = weights, max_tokens, scratch, lib
+    def __init__(self, weights: LayerWeights, max_tokens: int | None, scratch: int, window: int | None, lib):
+        self.weights, self.max_tokens, self.scratch, self.window, self.lib = weights, max_tokens, scratch, window, lib
         self.ref = ctypes.byref(weights)
+        self.scale = weights.d ** -0.5
 
 
 def layer_weights(layer) -> NativeLayer | None:
@@ -238,30 +257,23 @@ def layer_weights(layer) -> NativeLayer | None:
                      mlp.down_proj.in_features, norms[0].eps, norms[1].eps, norms[0].weight.data_ptr(),
                      norms[1].weight.data_ptr(), *(m._ptrs[0] for m in linears), *(m._ptrs[1] for m in linears))
     hq_d, qkv_d = attn.num_heads * attn.head_dim, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
-    return NativeLayer(w, min(caps) if caps else None, w.hidden + qkv_d + hq_d + 3 * w.inter, lib)
+    return NativeLayer(w, min(caps) if caps else None, w.hidden + qkv_d + hq_d + 3 * w.inter, attn.window, lib)
 
 
 def decoder_layer(native_layer: NativeLayer, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  valid: torch.Tensor | None, window: int | None, head_dim: int) -> torch.Tensor:
+                  valid: torch.Tensor | None) -> torch.Tensor:
     """DecoderLayer.block in one C call: x [n, q, hidden] float32 -> [n, q, hidden]; the other
     arguments as `attend`'s (k_cache, v_cache: the layer's [B, hk, T, d])."""
     n, q = positions.shape
     x = x.contiguous()
     y = torch.empty_like(x)
     scratch = torch.empty(n * q * native_layer.scratch)
-    positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
-    rows = None if rows is None else rows.contiguous()       # named: a temporary's memory would go
-    stride = 0
-    if valid is not None:
-        if valid.stride(-1) != 1:
-            valid = valid.contiguous()
-        stride = valid.stride(0)
+    positions, rows, cos, sin, valid, stride = _attention_inputs(positions, rows, cos, sin, valid)
     status = native_layer.lib.decoder_layer(
-        native_layer.ref, n, q, x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        None if rows is None else rows.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), k_cache.shape[2], None if valid is None else valid.data_ptr(), stride, window or 0,
-        head_dim ** -0.5, scratch.data_ptr())
+        native_layer.ref, n, q, x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), _ptr(rows),
+        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], _ptr(valid), stride,
+        native_layer.window or 0, native_layer.scale, scratch.data_ptr())
     if status:
         raise MemoryError("decoder_layer: no memory for attention's scratch")
     return y
@@ -300,25 +312,19 @@ def head_weights(head, table: torch.Tensor) -> NativeHead | None:
 
 def mtp_forward(native_head: NativeHead, prev: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                 rows: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, valid: torch.Tensor | None, window: int | None, head_dim: int) -> torch.Tensor:
+                v_cache: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """MTPHead.forward in one C call: prev [n, q, hidden] float32, ids [n, q] -> [n, q, hidden];
     the other arguments as `decoder_layer`'s."""
     n, q = positions.shape
+    layer = native_head.layer
     prev, ids = prev.contiguous(), ids.contiguous()
     y = torch.empty_like(prev)
     scratch = torch.empty(n * q * native_head.scratch)
-    positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
-    rows = None if rows is None else rows.contiguous()       # named: a temporary's memory would go
-    stride = 0
-    if valid is not None:
-        if valid.stride(-1) != 1:
-            valid = valid.contiguous()
-        stride = valid.stride(0)
-    status = native_head.layer.lib.mtp_forward(
-        native_head.ref, native_head.layer.ref, n, q, ids.data_ptr(), prev.data_ptr(), y.data_ptr(), cos.data_ptr(),
-        sin.data_ptr(), None if rows is None else rows.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), k_cache.shape[2], None if valid is None else valid.data_ptr(), stride, window or 0,
-        head_dim ** -0.5, scratch.data_ptr())
+    positions, rows, cos, sin, valid, stride = _attention_inputs(positions, rows, cos, sin, valid)
+    status = layer.lib.mtp_forward(
+        native_head.ref, layer.ref, n, q, ids.data_ptr(), prev.data_ptr(), y.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), _ptr(rows), positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2],
+        _ptr(valid), stride, layer.window or 0, layer.scale, scratch.data_ptr())
     if status:
         raise MemoryError("mtp_forward: no memory for attention's scratch")
     return y
@@ -355,25 +361,20 @@ def draft_weights(head) -> NativeDraft | None:
 
 def mtp_greedy(nd: NativeDraft, n: int, first: int, last: int, h: torch.Tensor, lengths: torch.Tensor,
                cos_t: torch.Tensor, sin_t: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               valid: torch.Tensor | None, window: int | None, tokens: torch.Tensor) -> None:
+               valid: torch.Tensor | None, tokens: torch.Tensor) -> None:
     """Greedy drafts at depths first..last of one head into tokens[:, first - 1:last] (tokens
     [n, G] int64 contiguous, depth first - 1's draft in the column before where first >= 2);
     h [n, hidden] float32 contiguous: the hidden state at depth `first`, overwritten. cos_t,
     sin_t: rotary tables by position; valid: the head's visible keys [n, T] (bool)."""
     layer = nd.head.layer
     lengths = lengths.contiguous()
-    stride = 0
-    if valid is not None:
-        if valid.stride(-1) != 1:
-            valid = valid.contiguous()
-        stride = valid.stride(0)
+    valid, stride = _valid_rows(valid)
     scratch = torch.empty(n * nd.scratch)
     w_ptr, b_ptr = nd.linear._ptrs
     status = layer.lib.mtp_greedy(
-        nd.head.ref, layer.ref, nd.norm.weight.data_ptr(), nd.norm.eps, w_ptr, b_ptr, nd.vout,
-        None if nd.ids is None else nd.ids.data_ptr(), n, first, last, h.data_ptr(), lengths.data_ptr(),
-        cos_t.data_ptr(), sin_t.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2],
-        None if valid is None else valid.data_ptr(), stride, window or 0, layer.weights.d ** -0.5,
+        nd.head.ref, layer.ref, nd.norm.weight.data_ptr(), nd.norm.eps, w_ptr, b_ptr, nd.vout, _ptr(nd.ids), n,
+        first, last, h.data_ptr(), lengths.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), k_cache.shape[2], _ptr(valid), stride, layer.window or 0, layer.scale,
         tokens.data_ptr() + (first - 1) * tokens.element_size(), tokens.stride(0), scratch.data_ptr())
     if status:
         raise MemoryError("mtp_greedy: no memory for attention's scratch")
