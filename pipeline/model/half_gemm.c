@@ -3,7 +3,7 @@
  * (an MTP head) and `mtp_greedy` (a head's greedy drafts).
  *
  * half_gemm: y[m, n] = x[m, k] @ W[n, k]^T (+ b) for a few rows m, W stored as float16 in panels of 64
- * output columns, [n / 64][k][64]: a panel is read once, front to back, for up to 8 rows at a
+ * output columns, [n / 64][k][64]: a panel is read once, front to back, for up to RB rows at a
  * time, each float16 weight widened to float32 in registers; products and sums in float32 (FMA),
  * so it is the float32 linear of a weight float16 holds, in another summation order.
  *
@@ -13,8 +13,8 @@
  * keeps the reads streaming, so 6 rows cost about what 1 does (pipeline/model/native.py).
  *
  * Compiled on the running machine by pipeline/model/native.py (-O3 -march=native
- * -ffp-contract=off); AVX-512F only:
- * elsewhere it does not compile and the engine keeps torch's kernels. */
+ * -ffp-contract=off) for AVX-512 or AVX2 (the vector layer below); elsewhere it does not
+ * compile and the engine keeps torch's kernels. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -22,66 +22,181 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#ifndef __AVX512F__
-#error "half_gemm needs AVX-512F"
+/* The vector layer: the kernels below are written once over `vf` (VW float32 lanes), `vi` (VW
+ * int32 lanes) and `vm` (a lane mask), which map to AVX-512 (16 lanes; F, BW and VL, as on
+ * Intel Skylake-SP and later, AMD Zen 4) or to AVX2 with FMA and F16C (8 lanes; Intel Haswell
+ * and later, AMD Zen 1-3). RB: rows per pass over a weight panel; NV(m): vectors of output
+ * columns per pass at m rows, so that RB x NV accumulators, the weights and the rows' broadcasts
+ * fit the vector registers (32 with AVX-512, 16 with AVX2). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define VW 16
+#define RB 8              /* 8 x 4 accumulators: measured no slower than 6-row passes at 1-6 rows,
+                             1.1-1.65x faster at 7-8 (docs/decisions.md, stop 49) */
+#define NV(m) 4
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __mmask16 vm;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset(float a) { return _mm512_set1_ps(a); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vhalf(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+static inline vm vfirst(int n) { return n >= 16 ? (vm)0xFFFF : n <= 0 ? (vm)0 : (vm)((1u << n) - 1); }
+static inline vm vm_and(vm a, vm b) { return a & b; }
+static inline vm vm_or(vm a, vm b) { return a | b; }
+static inline vf vload_m(vm m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void vstore_m(float *p, vm m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline vf vsel(vm m, vf a, vf b) { return _mm512_mask_mov_ps(b, m, a); }
+static inline vm vneq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
+static inline vi iset(int a) { return _mm512_set1_epi32(a); }
+static inline vi ilane(void) { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+static inline vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi imul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+static inline vm ieq(vi a, vi b) { return _mm512_cmpeq_epi32_mask(a, b); }
+static inline vm ile(vi a, vi b) { return _mm512_cmple_epi32_mask(a, b); }
+static inline vm ige(vi a, vi b) { return _mm512_cmpge_epi32_mask(a, b); }
+static inline vf vgather_m(vm m, vi idx, const float *base) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base, 4);
+}
+/* lanes below n whose byte p[lane] is not 0 */
+static inline vm vbytes(const uint8_t *p, int n) {
+    vm m = vfirst(n);
+    return m & _mm_test_epi8_mask(_mm_maskz_loadu_epi8(m, p), _mm_set1_epi8(-1));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VW 8
+#define RB 6              /* 6 x 16 columns: 12 accumulators, 2 weights, a broadcast */
+#define NV(m) ((m) <= 2 ? 8 : (m) <= 4 ? 4 : 2)  /* measured on Zen 3: docs/decisions.md, stop 51 */
+typedef __m256 vf;
+typedef __m256i vi;
+typedef __m256i vm;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset(float a) { return _mm256_set1_ps(a); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vhalf(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vhmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* p * 2^n for integral n in [-126, 127]: n added to the exponent field of 1.0 */
+static inline vf vscale2(vf p, vf n) {
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline vi iset(int a) { return _mm256_set1_epi32(a); }
+static inline vi ilane(void) { return _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0); }
+static inline vi iadd(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vi imul(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
+static inline vm vfirst(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), ilane()); }
+static inline vm vm_and(vm a, vm b) { return _mm256_and_si256(a, b); }
+static inline vm vm_or(vm a, vm b) { return _mm256_or_si256(a, b); }
+static inline vf vload_m(vm m, const float *p) { return _mm256_maskload_ps(p, m); }
+static inline void vstore_m(float *p, vm m, vf v) { _mm256_maskstore_ps(p, m, v); }
+static inline vf vsel(vm m, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
+static inline vm vneq(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_NEQ_OQ)); }
+static inline vm ieq(vi a, vi b) { return _mm256_cmpeq_epi32(a, b); }
+static inline vm ile(vi a, vi b) { return _mm256_xor_si256(_mm256_cmpgt_epi32(a, b), _mm256_set1_epi32(-1)); }
+static inline vm ige(vi a, vi b) { return _mm256_xor_si256(_mm256_cmpgt_epi32(b, a), _mm256_set1_epi32(-1)); }
+static inline vf vgather_m(vm m, vi idx, const float *base) {
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, idx, _mm256_castsi256_ps(m), 4);
+}
+/* lanes below n whose byte p[lane] is not 0 (reads only p[0..n-1]) */
+static inline vm vbytes(const uint8_t *p, int n) {
+    uint8_t b[8] = {0};
+    memcpy(b, p, n < 8 ? (size_t)n : 8);
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    return _mm256_xor_si256(_mm256_cmpeq_epi32(v, _mm256_setzero_si256()), _mm256_set1_epi32(-1));
+}
+#else
+#error "half_gemm needs AVX-512 (F, BW, VL) or AVX2 with FMA and F16C"
 #endif
 
-#define PANEL 64          /* output columns per panel: 4 vectors of 16 floats */
-#define ROWS 8            /* rows per pass: 8 x 4 accumulators fill the 32 vector registers; measured
-                             no slower than 6-row passes at 1-6 rows, 1.1-1.65x faster at 7-8 */
+#define PANEL 64          /* output columns per panel (pipeline/model/native.py packs them) */
 #define PREFETCH 16       /* panel rows (128 bytes each) read ahead */
 
-static inline void panel(int m, int k, const float *x, const uint16_t *p, const float *b,
+/* Columns col0 + s .. col0 + s + nv VW of y for m <= RB rows, from panel p (its [k][64] weights)
+ * at column offset s. m and nv are constants where this is inlined: no branches in the loop. */
+static inline __attribute__((always_inline)) void panel(int m, int nv, int k, const float *x, const uint16_t *p, int s, const float *b,
                          float *y, int n, int col0) {
-    __m512 acc[ROWS][4];
-    for (int j = 0; j < 4; j++) {
-        __m512 bj = b ? _mm512_loadu_ps(b + j * 16) : _mm512_setzero_ps();
-        for (int r = 0; r < ROWS; r++) acc[r][j] = bj;
+    vf acc[RB][PANEL / VW];
+    for (int j = 0; j < nv; j++) {
+        vf bj = b ? vload(b + s + j * VW) : vzero();
+        for (int r = 0; r < RB; r++) acc[r][j] = bj;
     }
     for (int i = 0; i < k; i++) {
-        const uint16_t *q = p + (size_t)i * PANEL;
-        _mm_prefetch((const char *)(q + PREFETCH * PANEL), _MM_HINT_T0);
-        _mm_prefetch((const char *)(q + PREFETCH * PANEL + 32), _MM_HINT_T0);
-        __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)q));
-        __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q + 16)));
-        __m512 w2 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q + 32)));
-        __m512 w3 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(q + 48)));
-        for (int r = 0; r < ROWS; r++) {
-            if (r < m) {                 /* m is a constant where this is inlined: no branch */
-                __m512 xv = _mm512_set1_ps(x[(size_t)r * k + i]);
-                acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-                acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
-                acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+        const uint16_t *q = p + (size_t)i * PANEL + s;
+        for (int c = 0; c < nv * VW; c += 32)     /* 32 float16 weights: a cache line */
+            _mm_prefetch((const char *)(q + PREFETCH * PANEL + c), _MM_HINT_T0);
+        vf w[PANEL / VW];
+        for (int j = 0; j < nv; j++) w[j] = vhalf(q + j * VW);
+        for (int r = 0; r < RB; r++) {
+            if (r < m) {
+                vf xv = vset(x[(size_t)r * k + i]);
+                for (int j = 0; j < nv; j++) acc[r][j] = vfma(xv, w[j], acc[r][j]);
             }
         }
     }
     for (int r = 0; r < m; r++)
-        for (int j = 0; j < 4; j++) {
-            int c = col0 + j * 16;
+        for (int j = 0; j < nv; j++) {
+            int c = col0 + s + j * VW;
             float *out = y + (size_t)r * n + c;
-            if (c + 16 <= n) _mm512_storeu_ps(out, acc[r][j]);
-            else if (c < n) _mm512_mask_storeu_ps(out, (__mmask16)((1u << (n - c)) - 1), acc[r][j]);
+            if (c + VW <= n) vstore(out, acc[r][j]);
+            else if (c < n) vstore_m(out, vfirst(n - c), acc[r][j]);
         }
 }
 
 #define PASS(M) \
     static void pass##M(int k, int n, const float *x, const uint16_t *w, const float *b, float *y) { \
         for (int c = 0; c < n; c += PANEL) \
-            panel(M, k, x, w + (size_t)c * k, b ? b + c : NULL, y, n, c); \
+            for (int s = 0; s < PANEL && c + s < n; s += NV(M) * VW) \
+                panel(M, NV(M), k, x, w + (size_t)c * k, s, b ? b + c : NULL, y, n, c); \
     }
-PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6)
+#if RB > 6
+PASS(7) PASS(8)
+#endif
 
 /* x: [m, k] float32; w: [ceil(n / 64)][k][64] float16 bits, zero past n; b: NULL or
  * ceil(n / 64) * 64 floats; y: [m, n] float32. */
 void half_gemm(int m, int k, int n, const float *x, const uint16_t *w, const float *b, float *y) {
-    static void (*const passes[ROWS + 1])(int, int, const float *, const uint16_t *, const float *, float *) =
-        {NULL, pass1, pass2, pass3, pass4, pass5, pass6, pass7, pass8};
-    for (int r = 0; r < m; r += ROWS) {
-        int rows = m - r < ROWS ? m - r : ROWS;
+    static void (*const passes[])(int, int, const float *, const uint16_t *, const float *, float *) =
+        {NULL, pass1, pass2, pass3, pass4, pass5, pass6,
+#if RB > 6
+         pass7, pass8
+#endif
+        };
+    for (int r = 0; r < m; r += RB) {
+        int rows = m - r < RB ? m - r : RB;
         passes[rows](k, n, x + (size_t)r * k, w, b, y + (size_t)r * n);
     }
 }
+
+/* Rows per pass over a weight (pipeline/model/native.py ROWS): up to this many cost one read. */
+int half_gemm_rows(void) { return RB; }
 
 /* RMSNorm of a few rows, y = w * (x * 1 / sqrt(mean(x^2) + eps)) per row of dim floats: one C call
  * where torch's float32 rms_norm is ~10 small ops (~20 us a call at batch 1, 25 calls a demo
@@ -90,19 +205,19 @@ void rms_norm(int rows, int dim, const float *x, const float *w, float eps, floa
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * dim;
         float *yr = y + (size_t)r * dim;
-        __m512 acc = _mm512_setzero_ps();
+        vf acc = vzero();
         int i = 0;
-        for (; i + 16 <= dim; i += 16) {
-            __m512 v = _mm512_loadu_ps(xr + i);
-            acc = _mm512_fmadd_ps(v, v, acc);
+        for (; i + VW <= dim; i += VW) {
+            vf v = vload(xr + i);
+            acc = vfma(v, v, acc);
         }
-        float ss = _mm512_reduce_add_ps(acc);
+        float ss = vsum(acc);
         for (; i < dim; i++) ss += xr[i] * xr[i];
-        __m512 inv = _mm512_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(ss / (float)dim + eps))));
-        for (i = 0; i < dim; i += 16) {
-            __mmask16 m = dim - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dim - i)) - 1);
-            __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
-            _mm512_mask_storeu_ps(yr + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, inv)));
+        vf inv = vset(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(ss / (float)dim + eps))));
+        for (i = 0; i < dim; i += VW) {
+            vm m = vfirst(dim - i);
+            vf v = vload_m(m, xr + i);
+            vstore_m(yr + i, m, vmul(vload_m(m, w + i), vmul(v, inv)));
         }
     }
 }
@@ -116,58 +231,57 @@ static inline void rope(int d, const float *x, const float *c, const float *s, f
     for (int j = half; j < d; j++) y[j] = x[j] * c[j] + x[j - half] * s[j];
 }
 
-/* e^x for x in [-87, 0], 16 lanes: Cephes' expf (n = round(x / ln 2), x - n ln 2 in two
+/* e^x for x in [-87, 0], VW lanes: Cephes' expf (n = round(x / ln 2), x - n ln 2 in two
  * parts, a degree-5 polynomial, times 2^n); within 2 ulp of expf. */
-static inline __m512 exp512(__m512 x) {
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+static inline vf vexp(vf x) {
+    vf n = vround(vmul(x, vset(1.44269504088896341f)));
+    vf r = vfnma(n, vset(0.693359375f), x);
+    r = vfnma(n, vset(-2.12194440e-4f), r);
+    vf p = vset(1.9875691500e-4f);
+    p = vfma(p, r, vset(1.3981999507e-3f));
+    p = vfma(p, r, vset(8.3334519073e-3f));
+    p = vfma(p, r, vset(4.1665795894e-2f));
+    p = vfma(p, r, vset(1.6666665459e-1f));
+    p = vfma(p, r, vset(5.0000001201e-1f));
+    p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+    return vscale2(p, n);
 }
 
 #define QB 4              /* query vectors sharing each load of a key or value vector */
 
-/* scores s[b][0:16] = sum_e q[b][e] * kt[e][0:16] for nb <= QB query vectors (kt: 16 keys, transposed) */
-static inline void qk_block(int nb, int d, const float *q, const float *kt, __m512 *s) {
-    __m512 acc[QB];
-    for (int b = 0; b < QB; b++) acc[b] = _mm512_setzero_ps();
+/* scores s[b][0:VW] = sum_e q[b][e] * kt[e][0:VW] for nb <= QB query vectors (kt: VW keys, transposed) */
+static inline void qk_block(int nb, int d, const float *q, const float *kt, vf *s) {
+    vf acc[QB];
+    for (int b = 0; b < QB; b++) acc[b] = vzero();
     for (int e = 0; e < d; e++) {
-        __m512 k = _mm512_loadu_ps(kt + e * 16);
+        vf k = vload(kt + e * VW);
         for (int b = 0; b < QB; b++)
-            if (b < nb) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(q[b * d + e]), k, acc[b]);
+            if (b < nb) acc[b] = vfma(vset(q[b * d + e]), k, acc[b]);
     }
     for (int b = 0; b < nb; b++) s[b] = acc[b];
 }
 
-/* out[b][u:u+16] = sum_j w[b][j] * v[j][u:u+16] over `keys` keys, for nb <= QB weight rows
+/* out[b][u:u+VW] = sum_j w[b][j] * v[j][u:u+VW] over `keys` keys, for nb <= QB weight rows
  * (row stride ws); m: the lanes of d at u */
-static inline void pv_block(int nb, int keys, int d, int u, __mmask16 m, const float *w, int ws,
+static inline void pv_block(int nb, int keys, int d, int u, vm m, const float *w, int ws,
                             const float *v, float *out) {
-    __m512 acc[QB];
-    for (int b = 0; b < QB; b++) acc[b] = _mm512_setzero_ps();
+    vf acc[QB];
+    for (int b = 0; b < QB; b++) acc[b] = vzero();
     for (int j = 0; j < keys; j++) {
-        __m512 x = _mm512_maskz_loadu_ps(m, v + (size_t)j * d + u);
+        vf x = vload_m(m, v + (size_t)j * d + u);
         for (int b = 0; b < QB; b++)
-            if (b < nb) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(w[b * ws + j]), x, acc[b]);
+            if (b < nb) acc[b] = vfma(vset(w[b * ws + j]), x, acc[b]);
     }
-    for (int b = 0; b < nb; b++) _mm512_mask_storeu_ps(out + (size_t)b * d + u, m, acc[b]);
+    for (int b = 0; b < nb; b++) vstore_m(out + (size_t)b * d + u, m, acc[b]);
 }
 
 #define BLOCKS(NB) \
-    static void qk##NB(int d, const float *q, const float *kt, __m512 *s) { qk_block(NB, d, q, kt, s); } \
-    static void pv##NB(int keys, int d, int u, __mmask16 m, const float *w, int ws, const float *v, float *out) \
+    static void qk##NB(int d, const float *q, const float *kt, vf *s) { qk_block(NB, d, q, kt, s); } \
+    static void pv##NB(int keys, int d, int u, vm m, const float *w, int ws, const float *v, float *out) \
         { pv_block(NB, keys, d, u, m, w, ws, v, out); }
 BLOCKS(1) BLOCKS(2) BLOCKS(3) BLOCKS(4)
-static void (*const QK[QB + 1])(int, const float *, const float *, __m512 *) = {NULL, qk1, qk2, qk3, qk4};
-static void (*const PV[QB + 1])(int, int, int, __mmask16, const float *, int, const float *, float *) =
+static void (*const QK[QB + 1])(int, const float *, const float *, vf *) = {NULL, qk1, qk2, qk3, qk4};
+static void (*const PV[QB + 1])(int, int, int, vm, const float *, int, const float *, float *) =
     {NULL, pv1, pv2, pv3, pv4};
 
 /* One attention layer of a step over a per-row KV cache (pipeline/model/cache.py), for a few
@@ -178,8 +292,8 @@ static void (*const PV[QB + 1])(int, int, int, __mmask16, const float *, int, co
  * Why: at batch 1 torch spends ~15 small ops a layer here (index_put writes, RoPE, the mask,
  * SDPA's setup) against a few us of arithmetic.
  * How: per row and kv head, the queries of its q tokens and its group of query heads share each
- * block of 16 keys (gathered transposed once) and each value vector read; scores, softmax and the
- * weighted sum of values run 16 lanes wide.
+ * block of VW keys (gathered transposed once) and each value vector read; scores, softmax and the
+ * weighted sum of values run VW lanes wide.
  *
  * qkv: [n, q, hq + 2 hk, d] (q heads, k heads, v heads); cos, sin: [n, q, d];
  * rows: [n] cache rows (NULL: row i); pos: [n, q]; kc, vc: the layer's [B, hk, cap, d];
@@ -204,13 +318,12 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
     }
     int64_t top = 0;
     for (size_t x = 0; x < (size_t)n * q; x++) top = pos[x] > top ? pos[x] : top;
-    int width = (int)((top + 16) / 16 * 16);
-    float *qs = malloc(sizeof(float) * ((size_t)nq * d + (size_t)nq * width + 16 * (size_t)d));
+    int width = (int)((top + VW) / VW * VW);
+    float *qs = malloc(sizeof(float) * ((size_t)nq * d + (size_t)nq * width + VW * (size_t)d));
     if (!qs) return -1;
     float *w = qs + (size_t)nq * d, *kt = w + (size_t)nq * width;
     int64_t lo[nq], hi[nq];
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(d));
+    const vi lane = ilane(), idx = imul(lane, iset(d));
     for (int i = 0; i < n; i++) {
         size_t r = rows ? (size_t)rows[i] : (size_t)i;
         const uint8_t *ok = valid ? valid + (size_t)i * vstride : NULL;
@@ -235,72 +348,63 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
                 for (int j = 0; j < keys; j++) {
                     int64_t key = first + j;
                     const float *kj = K + (size_t)key * d;
-                    __m512 acc[QB];
-                    for (int b = 0; b < QB; b++) acc[b] = _mm512_setzero_ps();
-                    for (int u = 0; u < d; u += 16) {
-                        __mmask16 m = d - u >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - u)) - 1);
-                        __m512 kv = _mm512_maskz_loadu_ps(m, kj + u);
+                    vf acc[QB];
+                    for (int b = 0; b < QB; b++) acc[b] = vzero();
+                    for (int u = 0; u < d; u += VW) {
+                        vm m = vfirst(d - u);
+                        vf kv = vload_m(m, kj + u);
                         for (int b = 0; b < QB; b++)
-                            if (b < nq) acc[b] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qs + (size_t)b * d + u), kv, acc[b]);
+                            if (b < nq) acc[b] = vfma(vload_m(m, qs + (size_t)b * d + u), kv, acc[b]);
                     }
                     int held = !ok || ok[key];
                     for (int b = 0; b < nq; b++) {
                         int seen = key <= hi[b] && key >= lo[b] && (held || key == hi[b]);
-                        w[(size_t)b * width + j] = seen ? _mm512_reduce_add_ps(acc[b]) * scale : -INFINITY;
+                        w[(size_t)b * width + j] = seen ? vsum(acc[b]) * scale : -INFINITY;
                     }
                 }
             }
-            for (int j0 = 0; nq > QB && j0 < keys; j0 += 16) {   /* more: 16 keys at a time, gathered */
-                int in = keys - j0 < 16 ? keys - j0 : 16;
-                __mmask16 km = (__mmask16)((1u << in) - 1);
+            for (int j0 = 0; nq > QB && j0 < keys; j0 += VW) {   /* more: VW keys at a time, gathered */
+                int in = keys - j0 < VW ? keys - j0 : VW;
+                vm km = vfirst(in);
                 const float *base = K + (size_t)(first + j0) * d;
-                for (int e = 0; e < d; e++)
-                    _mm512_storeu_ps(kt + e * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), km, idx, base + e, 4));
-                __m512i jv = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(first + j0)));
-                __mmask16 seen = km;
-                if (ok) seen &= _mm_test_epi8_mask(_mm_maskz_loadu_epi8(km, ok + first + j0), _mm_set1_epi8(-1));
+                for (int e = 0; e < d; e++) vstore(kt + e * VW, vgather_m(km, idx, base + e));
+                vi jv = iadd(lane, iset((int)(first + j0)));
+                vm seen = ok ? vbytes(ok + first + j0, in) : km;
                 for (int b0 = 0; b0 < nq; b0 += QB) {
                     int nb = nq - b0 < QB ? nq - b0 : QB;
-                    __m512 sc[QB];
+                    vf sc[QB];
                     QK[nb](d, qs + (size_t)b0 * d, kt, sc);
                     for (int b = 0; b < nb; b++) {
-                        __m512i ph = _mm512_set1_epi32((int)hi[b0 + b]);
-                        __mmask16 m = (seen | _mm512_cmpeq_epi32_mask(jv, ph)) & _mm512_cmple_epi32_mask(jv, ph)
-                                      & _mm512_cmpge_epi32_mask(jv, _mm512_set1_epi32((int)lo[b0 + b])) & km;
-                        _mm512_storeu_ps(w + (size_t)(b0 + b) * width + j0,
-                                         _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
-                                                            _mm512_mul_ps(sc[b], _mm512_set1_ps(scale))));
+                        vi ph = iset((int)hi[b0 + b]);
+                        vm m = vm_and(vm_and(vm_or(seen, ieq(jv, ph)), ile(jv, ph)),
+                                      vm_and(ige(jv, iset((int)lo[b0 + b])), km));
+                        vstore(w + (size_t)(b0 + b) * width + j0, vsel(m, vmul(sc[b], vset(scale)), vset(-INFINITY)));
                     }
                 }
             }
             for (int b = 0; b < nq; b++) {                 /* softmax of each query's scores */
                 float *wb = w + (size_t)b * width;
-                __m512 mx = _mm512_set1_ps(-INFINITY);
-                for (int j0 = 0; j0 < keys; j0 += 16) {
-                    __mmask16 km = keys - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (keys - j0)) - 1);
-                    mx = _mm512_mask_max_ps(mx, km, mx, _mm512_loadu_ps(wb + j0));
+                vf mx = vset(-INFINITY);
+                for (int j0 = 0; j0 < keys; j0 += VW)
+                    mx = vsel(vfirst(keys - j0), vmax(mx, vload(wb + j0)), mx);
+                vf m = vset(vhmax(mx)), sum = vzero();
+                for (int j0 = 0; j0 < keys; j0 += VW) {
+                    vf x = vload(wb + j0);
+                    vm live = vm_and(vneq(x, vset(-INFINITY)), vfirst(keys - j0));
+                    vf e = vsel(live, vexp(vmax(vsub(x, m), vset(-87.0f))), vzero());
+                    vstore(wb + j0, e);
+                    sum = vadd(sum, e);
                 }
-                __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
-                for (int j0 = 0; j0 < keys; j0 += 16) {
-                    __mmask16 km = keys - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (keys - j0)) - 1);
-                    __m512 x = _mm512_loadu_ps(wb + j0);
-                    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & km;
-                    __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_max_ps(_mm512_sub_ps(x, m), _mm512_set1_ps(-87.0f))));
-                    _mm512_storeu_ps(wb + j0, e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                float inv = 1.0f / _mm512_reduce_add_ps(sum);
-                for (int j0 = 0; j0 < keys; j0 += 16)
-                    _mm512_storeu_ps(wb + j0, _mm512_mul_ps(_mm512_loadu_ps(wb + j0), _mm512_set1_ps(inv)));
+                float inv = 1.0f / vsum(sum);
+                for (int j0 = 0; j0 < keys; j0 += VW)
+                    vstore(wb + j0, vmul(vload(wb + j0), vset(inv)));
             }
             const float *Vf = V + (size_t)first * d;
             for (int b0 = 0; b0 < nq; b0 += QB) {          /* the weighted sums of values */
                 int nb = nq - b0 < QB ? nq - b0 : QB;
                 float tmp[QB * d];
-                for (int u = 0; u < d; u += 16) {
-                    __mmask16 m = d - u >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - u)) - 1);
-                    PV[nb](keys, d, u, m, w + (size_t)b0 * width, width, Vf, tmp);
-                }
+                for (int u = 0; u < d; u += VW)
+                    PV[nb](keys, d, u, vfirst(d - u), w + (size_t)b0 * width, width, Vf, tmp);
                 for (int b = 0; b < nb; b++) {
                     int t = (b0 + b) / group, hh = (b0 + b) % group;
                     memcpy(out + (((size_t)i * q + t) * hq + g * group + hh) * d, tmp + (size_t)b * d, sizeof(float) * d);

@@ -3,15 +3,16 @@ RMSNorm, and attention over the KV cache.
 
 At batch 1 a CPU step's linears are bound by reading their weights, yet in torch's kernels
 (MKL float32, FBGEMM float16) a linear over 6 rows cost 1.5-2.2x one row, so a speculative
-step paid for its width. `half_gemm` reads each weight once for up to 8 rows and prefetches
+step paid for its width. `half_gemm` reads each weight once for up to 6-8 rows and prefetches
 ahead: on the demo's shapes (one thread, weights cycled out of L2) 6 rows cost 1.0-1.2x one
 row, and 0.55-0.7x FBGEMM's time (docs/decisions.md, stop 49).
 
 The source is compiled on first use with the machine's C compiler (`cc`, or $CC) for this CPU
 (-march=native) into a cache folder ($SPECBATCH_CACHE, else ~/.cache/specbatch), keyed by the
-source, the compiler and the CPU's flags; later processes load it (~1 s the first time). Where
-there is no compiler, no AVX-512, the build fails or the result disagrees with float64 math,
-`library()` is None and the engine keeps torch's kernels. SPECBATCH_NATIVE=0 switches it off.
+source, the compiler and the CPU's flags; later processes load it (~1 s the first time). It
+takes AVX-512 (16 lanes) or AVX2 with FMA and F16C (8 lanes), whichever the CPU has. Where there
+is no compiler, neither instruction set, the build fails or the result disagrees with float64
+math, `library()` is None and the engine keeps torch's kernels. SPECBATCH_NATIVE=0 switches it off.
 
 `rms_norm` is one call where torch's float32 RMSNorm is ~10 small ops: at batch 1 a demo forward
 runs 25 of them (docs/decisions.md, stop 49). `attend` is one call for a layer's RoPE, cache
@@ -37,7 +38,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("half_gemm.c")
 PANEL = 64                # output columns per panel (half_gemm.c)
-ROWS = 8                  # input rows per pass over the weight (half_gemm.c)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
@@ -109,6 +109,8 @@ def library():
     except OSError:
         return None
     lib.half_gemm.restype = lib.rms_norm.restype = None
+    lib.half_gemm_rows.restype = ctypes.c_int
+    lib.half_gemm_rows.argtypes = []
     lib.half_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
     lib.rms_norm.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p]
     lib.attend.restype = ctypes.c_int
@@ -127,6 +129,13 @@ def library():
                                + [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p]
                                + [ctypes.c_int, ctypes.c_void_p])
     return lib if _agrees(lib) else None
+
+
+def rows_per_pass() -> int:
+    """Input rows half_gemm takes in one read of a weight: 8 with AVX-512, 6 with AVX2
+    (half_gemm.c RB); 0 without the library."""
+    lib = library()
+    return lib.half_gemm_rows() if lib is not None else 0
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -161,7 +161,7 @@ def fp16_gemm_rows(out_features: int, in_features: int, threads: int, kernel: st
     (torch's thread count) and `kernel` (default `fp16_kernel()`); about 0.1-0.3 s for a
     256 x 6,144 weight.
 
-    The native kernel is taken up to native.ROWS rows (one pass over a weight of half the bytes)
+    The native kernel is taken up to `native.rows_per_pass()` rows (one read of a weight of half the bytes)
     without timing: this timing at 1-4 rows, each weight copy warm in L3, flipped between
     kernels from one process to the next on small weights, where in a model's forward the native
     kernel won at every width (docs/decisions.md, stop 49). Above, it is timed like FBGEMM."""
@@ -171,7 +171,7 @@ def fp16_gemm_rows(out_features: int, in_features: int, threads: int, kernel: st
     copies = min(64, max(2, -(-(16 << 20) // (4 * w.numel()))))
     fp32 = [w.t().contiguous() for _ in range(copies)]
     fp16 = [Fp16WeightLinear(w, kernel=kernel) for _ in range(copies)]
-    floor = native.ROWS if fp16[0].kernel == "native" else 0
+    floor = native.rows_per_pass() if fp16[0].kernel == "native" else 0
     times = {}
     with torch.inference_mode():
         for rows in (r for r in ROWS if r > floor):
