@@ -98,8 +98,29 @@ def test_the_profile_cache_is_keyed_by_the_step_code(shipped, monkeypatch):
     assert key == ws.profile_key(engine, 128) and len(ws.code_fingerprint()) == 24
     monkeypatch.setattr(ws, "code_fingerprint", lambda: "an older engine")
     assert ws.profile_key(engine, 128) != key
-    names = {f.relative_to(ws.Path(ws.__file__).resolve().parents[1]).as_posix() for f in ws.step_code_files()}
-    assert {"model/half_gemm.c", "model/native.py", "engine/run.py", "spec_decode/cost.py"} <= names   # the C kernels too
+
+
+def test_the_profile_cache_is_keyed_by_the_cpu_kernels(shipped, monkeypatch):
+    """The same code on the same CPU with the C kernels switched off (SPECBATCH_NATIVE=0, no
+    compiler) or built for another vector width steps at other prices: its profile is not reused."""
+    import pipeline.engine.warm_start as ws
+    from pipeline.model import native
+    bare, _ = shipped
+    engine = Engine.from_pretrained(bare, device="cpu", max_batch_size=1, gamma_max=2)
+    built = native.library() is not None
+    key = ws.profile_key(engine, 128)
+    monkeypatch.setenv("SPECBATCH_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert ws.cpu_kernels() == "native:0|fp16:fbgemm"
+        assert (ws.profile_key(engine, 128) != key) == built
+    finally:
+        monkeypatch.delenv("SPECBATCH_NATIVE")
+        native.library.cache_clear()
+    monkeypatch.setattr(native, "rows_per_pass", lambda: 6)
+    six = ws.profile_key(engine, 128)
+    monkeypatch.setattr(native, "rows_per_pass", lambda: 8)
+    assert six != ws.profile_key(engine, 128)
 
 
 def test_a_pooled_prior_of_tasks_far_apart_is_light_and_still_skips_calibration(tmp_path):

@@ -116,6 +116,15 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{platform.machine()}:{platform.processor() or '?'}:{os.cpu_count()}"
 
 
+def cpu_kernels() -> str:
+    """Which kernels a CPU step runs in this process: the C library's rows per pass (8: AVX-512,
+    6: AVX2; 0: none, e.g. SPECBATCH_NATIVE=0 or no compiler) and the float16-weight GEMM. Same
+    code, other kernels: a demo step at batch 1 cost 5.0 ms without the C kernels and 2.0 ms with
+    them on one CPU (docs/decisions.md, stop 51), so one's profile misprices the other."""
+    from pipeline.model import native, packed
+    return f"native:{native.rows_per_pass()}|fp16:{packed.fp16_kernel()}"
+
+
 def profile_key(engine, context_len: int) -> str | None:
     """The cache key of this engine's profile; None when the checkpoint has no path."""
     path = getattr(engine.model, "path", None)
@@ -123,6 +132,8 @@ def profile_key(engine, context_len: int) -> str | None:
         return None
     parts = [device_name(engine.device), str(engine.dtype), str(torch.get_num_threads()),
              str(engine.gamma_max), str(context_len), checkpoint_fingerprint(path), code_fingerprint()]
+    if engine.device.type == "cpu":
+        parts.append(cpu_kernels())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
