@@ -159,12 +159,14 @@ def test_last_policy_decisions_exist_after_a_fixed_gamma(root, gamma):
     assert engine.last_policy.max_gamma() == gamma
 
 
-@pytest.mark.parametrize("tied,kernel", [(False, "fbgemm"), (True, "fbgemm"), (False, "native"), (True, "native")])
-def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, tied, kernel, monkeypatch):
+@pytest.mark.parametrize("tied,kernel", [(False, "fbgemm"), (True, "fbgemm"), (False, "native"), (True, "native"),
+                                         (False, "native-avx2")])
+def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, tied, kernel, monkeypatch, request):
     """Weights float16 holds (the demo's store stage) run every CPU linear, the output heads and
     the heads' draft vocabulary included, through a float16-weight GEMM (pipeline.model.packed:
     FBGEMM's up to 2 input rows, or the native half_gemm up to 12, one pass of 8 rows and one of
-    the rest) and the float32 GEMM above; greedy output is still transformers' at every gamma."""
+    the rest) and the float32 GEMM above; greedy output is still transformers' at every gamma.
+    native-avx2: the C kernels' AVX2 build, where this CPU has AVX-512 (SPECBATCH_NATIVE_ISA)."""
     import torch
 
     from pipeline.demo.build import store_weights
@@ -172,8 +174,16 @@ def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, t
     from pipeline.model.layers import Attention, RMSNorm
     from pipeline.model.packed import Fp16WeightLinear, PackedLinear, fp16_gemm_works
     from pipeline.model.tiny import make_tiny_checkpoint
-    if kernel == "native" and native.library() is None:
+    if kernel.startswith("native") and native.library() is None:
         pytest.skip("the native half_gemm does not build on this machine")
+    if kernel == "native-avx2":
+        if native.rows_per_pass() != 8:
+            pytest.skip("this CPU has no AVX-512: the library is the AVX2 build already")
+        monkeypatch.setenv("SPECBATCH_NATIVE_ISA", "avx2")
+        native.library.cache_clear()
+        request.addfinalizer(native.library.cache_clear)     # later tests load the default build
+        assert native.rows_per_pass() == 6
+        kernel = "native"
     if kernel == "fbgemm" and not fp16_gemm_works():
         pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
     monkeypatch.setattr(packed, "fp16_kernel", lambda: kernel)

@@ -86,6 +86,34 @@ def _kernel_or_skip(kernel):
         pytest.skip("this torch build has no FBGEMM float16-weight GEMM")
 
 
+@pytest.fixture(scope="module", params=["best", "avx2"])
+def kernels(request, tmp_path_factory):
+    """The C kernels under test: the library the engine loads, and its AVX2 build where this CPU
+    has AVX-512 (SPECBATCH_NATIVE_ISA=avx2), so both vector paths of half_gemm.c run here."""
+    from pipeline.model import native
+    _kernel_or_skip("native")
+    if request.param == "best":
+        return native.library()
+    if native.rows_per_pass() != 8:
+        pytest.skip("this CPU has no AVX-512: the library is the AVX2 build already")
+    lib = native.load(native.build(tmp_path_factory.mktemp("avx2"), "avx2"))
+    assert lib is not None and lib.half_gemm_rows() == 6
+    return lib
+
+
+def test_native_isa_names_the_instruction_set_or_fails(monkeypatch):
+    """SPECBATCH_NATIVE_ISA picks the build's flags; a name it does not know is an error, not a
+    silent default."""
+    from pipeline.model import native
+    monkeypatch.delenv("SPECBATCH_NATIVE_ISA", raising=False)
+    assert native.isa() == "best"
+    monkeypatch.setenv("SPECBATCH_NATIVE_ISA", "avx2")
+    assert native.isa() == "avx2" and "-mno-avx512f" in native.ISA_FLAGS["avx2"]
+    monkeypatch.setenv("SPECBATCH_NATIVE_ISA", "avx3")
+    with pytest.raises(ValueError, match="avx3"):
+        native.isa()
+
+
 @pytest.mark.parametrize("kernel", ["fbgemm", "native"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp16_weight_linear_matches_linear(bias, kernel):
@@ -103,11 +131,10 @@ def test_fp16_weight_linear_matches_linear(bias, kernel):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_native_half_gemm_is_the_float32_linear_at_every_row_count_and_panel_edge(bias):
+def test_native_half_gemm_is_the_float32_linear_at_every_row_count_and_panel_edge(bias, kernels):
     """half_gemm against float64 math: outputs that fill no panel, one, and a panel and a bit
     (64 columns a panel), and 1-17 rows (passes of 8 with AVX-512, 6 with AVX2, and a rest)."""
     from pipeline.model import native
-    _kernel_or_skip("native")
     gen = torch.Generator().manual_seed(0)
     for n, k in [(5, 3), (64, 32), (130, 40)]:
         w = torch.randn(n, k, generator=gen).half().float()
@@ -116,7 +143,7 @@ def test_native_half_gemm_is_the_float32_linear_at_every_row_count_and_panel_edg
         for m in range(1, 18):
             x = torch.randn(m, k, generator=gen)
             want = x.double() @ w.double().t() + (0 if b is None else b.double())
-            torch.testing.assert_close(native.linear(x, packed, padded, n).double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(native.linear(x, packed, padded, n, kernels).double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_native_half_gemm_builds_once_per_source_and_machine(tmp_path, monkeypatch):
@@ -139,7 +166,7 @@ def test_native_half_gemm_builds_once_per_source_and_machine(tmp_path, monkeypat
     assert [p.name for p in tmp_path.iterdir()] == [first.name]       # no temporary left behind
 
 
-def test_native_rms_norm_is_rms_norm_for_few_rows_and_leaves_autograd_to_torch():
+def test_native_rms_norm_is_rms_norm_for_few_rows_and_leaves_autograd_to_torch(kernels):
     """The C RMSNorm against float64 math (widths that fill no vector, one, several and a bit);
     an RMSNorm given it matches torch's to float32 rounding, and an input that needs a gradient
     (training a head) takes torch's op."""
@@ -150,7 +177,7 @@ def test_native_rms_norm_is_rms_norm_for_few_rows_and_leaves_autograd_to_torch()
     for d in (5, 16, 70, 256):
         x, w = torch.randn(3, 4, d, generator=gen), torch.randn(d, generator=gen)
         want = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
-        torch.testing.assert_close(native.rms_norm(x, w, 1e-5).double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(native.rms_norm(x, w, 1e-5, kernels).double(), want, rtol=1e-5, atol=1e-5)
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():
         norm.weight.normal_(generator=gen)
@@ -166,7 +193,7 @@ def test_native_rms_norm_is_rms_norm_for_few_rows_and_leaves_autograd_to_torch()
 
 
 def test_without_the_native_kernel_the_fp16_linears_take_fbgemm(monkeypatch):
-    """SPECBATCH_NATIVE=0 (or no compiler, no AVX-512) leaves torch's kernels."""
+    """SPECBATCH_NATIVE=0 (or no compiler, neither AVX-512 nor AVX2) leaves torch's kernels."""
     from pipeline.model import native, packed
     monkeypatch.setenv("SPECBATCH_NATIVE", "0")
     native.library.cache_clear()
@@ -321,7 +348,7 @@ def _reference_attention(qkv, cos, sin, positions, rows, k_cache, v_cache, valid
     (1, 1, 8, 4, 32, None, False, False), (2, 3, 8, 4, 32, None, True, True), (3, 6, 4, 4, 64, 5, True, False),
     (1, 9, 16, 2, 128, None, False, True), (4, 2, 6, 3, 40, 3, False, False), (2, 17, 2, 1, 16, 7, True, True),
     (2, 5, 4, 2, 20, None, True, True)])
-def test_native_attention_is_the_torch_path_with_its_cache_writes(n, q, hq, hk, d, window, masked, rows):
+def test_native_attention_is_the_torch_path_with_its_cache_writes(n, q, hq, hk, d, window, masked, rows, kernels):
     """attend (half_gemm.c) against RoPE, the cache write, the mask and SDPA in float64: grouped
     heads, head widths that fill no vector or several, more than 16 keys, cache rows out of
     order, holes in the keys (the MTP caches'), sliding windows; keys and values land in the
@@ -338,7 +365,7 @@ def test_native_attention_is_the_torch_path_with_its_cache_writes(n, q, hq, hk, 
     angles = torch.randn(n, q, d, generator=gen) * 5
     cos, sin = angles.cos(), fold_sin(angles.sin())
     valid = torch.rand(n, 60, generator=gen) > 0.3 if masked else None
-    out = native.attend(qkv, cos, sin, positions, cache_rows, k_cache, v_cache, valid, window, hq)
+    out = native.attend(qkv, cos, sin, positions, cache_rows, k_cache, v_cache, valid, window, hq, kernels)
     want = _reference_attention(qkv, cos, sin, positions, cache_rows, k_ref, v_ref, valid, window, hq)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

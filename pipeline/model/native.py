@@ -12,7 +12,9 @@ The source is compiled on first use with the machine's C compiler (`cc`, or $CC)
 source, the compiler and the CPU's flags; later processes load it (~1 s the first time). It
 takes AVX-512 (16 lanes) or AVX2 with FMA and F16C (8 lanes), whichever the CPU has. Where there
 is no compiler, neither instruction set, the build fails or the result disagrees with float64
-math, `library()` is None and the engine keeps torch's kernels. SPECBATCH_NATIVE=0 switches it off.
+math, `library()` is None and the engine keeps torch's kernels. SPECBATCH_NATIVE=0 switches it off;
+SPECBATCH_NATIVE_ISA=avx2 builds the AVX2 kernels on an AVX-512 CPU (to compare the two, and so
+the tests run both where the CPU has AVX-512).
 
 `rms_norm` is one call where torch's float32 RMSNorm is ~10 small ops: at batch 1 a demo forward
 runs 25 of them (docs/decisions.md, stop 49). `attend` is one call for a layer's RoPE, cache
@@ -39,6 +41,16 @@ import torch
 SOURCE = Path(__file__).with_name("half_gemm.c")
 PANEL = 64                # output columns per panel (half_gemm.c)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+ISA_FLAGS = {"best": [], "avx2": ["-mno-avx512f"]}     # SPECBATCH_NATIVE_ISA -> extra flags
+
+
+def isa() -> str:
+    """The instruction set asked for: SPECBATCH_NATIVE_ISA ("best", the default: the widest the CPU
+    has; "avx2": AVX2 even where the CPU has AVX-512)."""
+    name = os.environ.get("SPECBATCH_NATIVE_ISA", "best") or "best"
+    if name not in ISA_FLAGS:
+        raise ValueError(f"SPECBATCH_NATIVE_ISA={name!r}: expected one of {sorted(ISA_FLAGS)}")
+    return name
 
 
 def _cpu_flags() -> str:
@@ -59,8 +71,10 @@ def _cache_dir() -> Path:
     return Path(home) / "specbatch"
 
 
-def build(cache: Path | None = None) -> Path | None:
-    """The compiled library's path (compiled now unless cached), or None where it cannot be."""
+def build(cache: Path | None = None, isa_name: str | None = None) -> Path | None:
+    """The compiled library's path (compiled now unless cached), or None where it cannot be.
+    isa_name: a key of ISA_FLAGS (default: `isa()`)."""
+    flags = FLAGS + ISA_FLAGS[isa_name or isa()]
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
@@ -68,7 +82,7 @@ def build(cache: Path | None = None) -> Path | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(flags), _cpu_flags()]).encode())
     for folder in ([cache] if cache is not None else [_cache_dir(), Path(tempfile.gettempdir()) / "specbatch"]):
         path = folder / f"half_gemm-{key.hexdigest()[:16]}.so"
         if path.exists():
@@ -80,7 +94,7 @@ def build(cache: Path | None = None) -> Path | None:
         except OSError:
             continue                              # not writable: try the next folder
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, timeout=120)
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, timeout=120)
             if done.returncode != 0:
                 return None                       # e.g. no AVX-512 (#error), an old compiler
             os.replace(tmp, path)                 # atomic: a concurrent process loads a whole file
@@ -102,8 +116,12 @@ def library():
     if os.environ.get("SPECBATCH_NATIVE", "1") == "0":
         return None
     path = build()
-    if path is None:
-        return None
+    return None if path is None else load(path)
+
+
+def load(path: Path):
+    """The library at `path` with its functions' signatures, or None where it does not load or
+    disagrees with float64 math."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError:
