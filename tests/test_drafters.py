@@ -331,7 +331,8 @@ def test_a_backlog_follows_its_rows_and_keeps_the_newest_tokens_when_full(monkey
     """Gamma-0 steps' tokens per slot: appended step by step, moved and dropped with their rows,
     taken as one fill; a row that would exceed the size starts over from its newest step (the
     older tokens become a masked gap: `add` says which rows). The same with and without the
-    fill's host mirrors, by index tensors and by per-row copies."""
+    fill's host mirrors, by index tensors and by per-row copies, and by one column copy where
+    every row appends a token at the same column."""
     from pipeline.engine import drafter as drafter_module
     from pipeline.engine.drafter import Backlog, PendingFill
     monkeypatch.setattr(drafter_module, "SLICE_ROWS", slice_rows)
@@ -359,6 +360,11 @@ def test_a_backlog_follows_its_rows_and_keeps_the_newest_tokens_when_full(monkey
     fill = b.take()
     assert fill.rows.tolist() == [1, 3] and fill.start.tolist() == [40, 32] and fill.count.tolist() == [3, 2]
     assert [r[:c] for r, c in zip(fill.next_ids.tolist(), fill.counts)] == [[7, 8, 8], [8, 8]]
+    b.add(step([0, 1], [50, 60], [1, 1], 9))          # rows 0..r-1, a token each: one column copy
+    b.add(step([0, 1], [51, 61], [1, 1], 4))
+    fill = b.take()
+    assert fill.rows.tolist() == [0, 1] and fill.start.tolist() == [50, 60] and fill.counts == [2, 2]
+    assert fill.next_ids.tolist() == [[9, 4], [9, 4]] and fill.hidden[:, :, 0].tolist() == [[9.0, 4.0], [9.0, 4.0]]
 
 
 def test_waiting_prompt_fills_follow_their_rows_as_they_move_and_finish():
