@@ -218,3 +218,36 @@ def test_a_refit_is_charged_to_no_steps_sample(tmp_path, monkeypatch):
     engine.generate([[5, 6, 7], [8, 9]] * 3, SamplingParams(max_new_tokens=12, ignore_eos=True), gamma="auto")
     assert engine.costs.fits - fits >= 3                  # refits ran during the call ...
     assert all(step_seconds(s) < hour for s in engine.last_stats.steps)   # ... in no step's time
+
+
+def test_no_fit_is_tried_before_three_verify_shapes(monkeypatch):
+    """A fit needs three verify shapes: with fewer measured `model()` answers None without
+    fitting (a fixed-gamma call at one row count asked every step, ~0.1 ms of a 2.7 ms step),
+    and fits once the third shape is recorded."""
+    import pipeline.engine.costs as costs_module
+    calls, real_fit = [], costs_module.fit_cost_model
+    monkeypatch.setattr(costs_module, "fit_cost_model", lambda *a, **k: calls.append(1) or real_fit(*a, **k))
+    tracker = CostTracker()
+    shapes = [s for s in records() if s.context_len == 64]
+    one, two, three = shapes[1], next(s for s in shapes if s.rows == 4), next(s for s in shapes if s.rows == 16)
+    for s in (one, one, two) * 4:
+        tracker.record(s)
+        assert tracker.model() is None
+    assert calls == []
+    tracker.record(three)
+    assert tracker.model() is not None and calls == [1]
+    tracker.set_profile([one])                            # a new profile: the shapes counted anew
+    assert tracker.model() is None and calls == [1]
+
+
+def test_a_fixed_gamma_call_fits_no_cost_model(tmp_path, monkeypatch):
+    """A call at a fixed gamma without a profile prices nothing: its steps fit no cost model
+    (its drafting asked for one every step, for n-gram tails that only `auto` adds)."""
+    import pipeline.engine.costs as costs_module
+    from pipeline.engine import SamplingParams
+    calls, real_fit = [], costs_module.fit_cost_model
+    monkeypatch.setattr(costs_module, "fit_cost_model", lambda *a, **k: calls.append(1) or real_fit(*a, **k))
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=1, gamma_max=3)
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=16, ignore_eos=True), gamma=2, draft="mtp")
+    assert len(engine.last_stats.steps) >= 8 and calls == []

@@ -45,6 +45,7 @@ class CostTracker:
         self.profile_cached = False      # the current profile came from the on-disk cache (warm_start.py)
         self.fits, self.fit_seconds = 0, 0.0   # how many fits, and their total time (for benchmarks)
         self._model: CostModel | None = None
+        self._shapes: set[tuple] = set()  # verify shapes (rows, tokens a row) of the profile and steps since
         self._fit_s = 0.0                 # how long the last fit took
         self._new_steps = 0               # refining steps since the last fit ...
         self._new_work_s = 0.0            # ... and the step time they took
@@ -57,6 +58,7 @@ class CostTracker:
         """A new profile: what was measured before it no longer describes the device."""
         self.profile = list(records)
         self.steps.clear()
+        self._shapes = {(r.rows, r.query_len) for r in self.profile if r.verify_s > 0}
         self.local = LocalCorrection()
         self.verify_local = VerifyCorrection()
         self.ratios.clear()
@@ -68,6 +70,7 @@ class CostTracker:
         """Profiled shapes added (a batch larger than any profiled before): what was measured
         stays; the model is refitted with them."""
         self.profile = self.profile + list(records)
+        self._shapes.update((r.rows, r.query_len) for r in records if r.verify_s > 0)
         self._model = None
 
     def model(self) -> CostModel | None:
@@ -75,8 +78,11 @@ class CostTracker:
         refinement) once `refit_every` refining steps have run and their time is at least the
         last fit's / `refit_share`, so refitting costs at most that share of decoding; the local
         correction follows every step in between, so the smooth model only prices shapes not yet
-        run."""
+        run. Fewer than 3 verify shapes measured: None at once (no fit can be made; a fixed-gamma
+        call at one row count asked for one every step, ~0.1 ms of a 2.7 ms step)."""
         due = self._new_steps >= self.refit_every and self._new_work_s * self.refit_share >= self._fit_s
+        if self._model is None and len(self._shapes) < 3:
+            return None
         if self._model is None or due:
             t0 = time.perf_counter()
             self._model = fit_cost_model(list(self.steps)[-self.fit_steps:], profile=self.profile, local=self.local,
@@ -98,6 +104,8 @@ class CostTracker:
         shape (VerifyCorrection): a packed verify runs each token as its own query row with a cache
         gather, so its mean tokens per row (always whole at one row) is not that shape's cost."""
         self.steps.append(step)
+        if step.verify_s > 0:
+            self._shapes.add((step.rows, step.query_len))
         if refine:
             self._new_steps += 1
             self._new_work_s += step.verify_s + step.draft_s

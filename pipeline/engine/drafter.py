@@ -372,7 +372,7 @@ class Drafter:
         [n, hidden], depth 1's hidden state (overwritten); None where a head has no C path for
         n rows (not CPU float32, a linear off the native GEMM) or RoPE has no tables."""
         heads, k = self.heads, len(self.heads)
-        nds = [head.greedy_native() for head in heads[:min(k, gamma)]]
+        nds = [heads[c].greedy_native() for c in range(min(k, gamma))]   # (slicing a ModuleList builds one)
         if out.dtype != torch.float32 or any(nd is None or (nd.max_tokens is not None and n > nd.max_tokens)
                                              for nd in nds):
             return None

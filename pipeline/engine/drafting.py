@@ -141,8 +141,8 @@ class DraftPlanner:
             if not any(ng.match):
                 ng = None
         if ng is None:
-            if mtp is None or not mtp_gamma or measuring:
-                return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)
+            if mtp is None or not mtp_gamma or measuring or not (self.auto and ngram is not None and self.ngram_cap > 0):
+                return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)     # no n-gram tails either
             return self._heads_step(n, lengths, rows, mtp_gamma, pick, looked,
                                     self._heads_cum(stats, mtp_prior, mtp_gamma), stats, ctx)
         t_choice = time.perf_counter()            # the per-row choice is host work n-gram drafting needs
@@ -226,9 +226,11 @@ class DraftPlanner:
         Example, batch 1, gamma 5, p_all 0.68, a 3-token match kept at 0.6 then 0.5: tail P
         [0.41, 0.20]; on a step expecting 4.9 tokens the first adds 8%, the second 4%, so each
         is kept where widening the verify by one token costs less than that share of the step."""
-        ngram, model = self.sources.get("ngram"), self.cost_model()
-        g = plan.mtp_gamma
-        if not self.auto or ngram is None or model is None or self.ngram_cap <= 0 or p_all <= 0:
+        ngram = self.sources.get("ngram")
+        if not self.auto or ngram is None or self.ngram_cap <= 0 or p_all <= 0:
+            return plan
+        model, g = self.cost_model(), plan.mtp_gamma
+        if model is None:
             return plan
         if self._tail_pause.skip():
             return plan
