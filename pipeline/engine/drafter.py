@@ -385,9 +385,8 @@ class Drafter:
         while depth <= gamma:                    # a run of depths drafted by one head
             c = head_for_depth(k, depth)
             last = depth if c < k - 1 else gamma
-            valid = self._visible(c, n, lengths, gamma, deepest) if last >= 2 else None
-            native.mtp_greedy(nds[c], n, depth, last, h, lengths, *tables, self.cache.k[c], self.cache.v[c], valid,
-                              tokens)
+            native.mtp_greedy(nds[c], n, depth, last, h, lengths, *tables, self.cache.k[c], self.cache.v[c],
+                              self.valid[c, :n], tokens, max(c - 1, 0), gamma - 2)      # `_visible`'s mask, in C
             depth = last + 1
         return tokens
 

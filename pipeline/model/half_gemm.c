@@ -489,18 +489,37 @@ int mtp_forward(const MtpInput *M, const Layer *L, int n, int q, const int64_t *
  * h [n, hidden]: the hidden state to draft from (depth `first`), left at depth `last`'s.
  * tokens: int64 with row stride tstride, pointing at depth `first`'s column (the column before
  * holds depth first - 1's draft where first >= 2). cos_t, sin_t: rotary tables [> max position, d]
- * (sin folded). valid: the head's visible keys [n, vstride] (NULL where last < 2).
+ * (sin folded). valid: the head's filled keys [n, vstride] (NULL: none); a row's keys
+ * lengths + lo_off .. lengths + hi_off (this step's drafts) are visible besides (the mask
+ * Drafter._visible builds in torch, built here: ~7 torch ops a step at batch 1).
  * scratch: floats for n * (2 d + 2 hidden + vout) and mtp_forward's for n tokens.
- * The argmax is the first index of the largest value (torch.argmax's, NaN aside). */
+ * The argmax is the first index of the largest value (torch.argmax's, NaN aside).
+ * Returns 0, or -1 where memory for the mask or attention's scratch runs out. */
 int mtp_greedy(const MtpInput *M, const Layer *L, const float *nw, float neps, const uint16_t *out_w,
                const float *out_b, int vout, const int64_t *ids, int n, int first, int last, float *h,
                const int64_t *lengths, const float *cos_t, const float *sin_t, float *kc, float *vc, int cap,
-               const uint8_t *valid, int vstride, int window, float scale, int64_t *tokens, int tstride,
-               float *scratch) {
+               const uint8_t *valid, int vstride, int lo_off, int hi_off, int window, float scale,
+               int64_t *tokens, int tstride, float *scratch) {
     int hd = M->hidden, d = L->d;
     float *cs = scratch, *sn = cs + (size_t)n * d, *y = sn + (size_t)n * d, *nx = y + (size_t)n * hd;
     float *lg = nx + (size_t)n * hd, *rest = lg + (size_t)n * vout;
     int64_t pos[n], prev[n];
+    uint8_t *vis = NULL;
+    int vw = 0;
+    if (last >= 2) {                       /* keys a depth >= 2 attends: up to lengths + hi_off */
+        int64_t most = 0;
+        for (int i = 0; i < n; i++) most = lengths[i] > most ? lengths[i] : most;
+        vw = (int)(most + hi_off + 1);
+        vis = malloc((size_t)n * vw);
+        if (!vis) return -1;
+        for (int i = 0; i < n; i++) {
+            uint8_t *row = vis + (size_t)i * vw;
+            int have = valid ? (vw < vstride ? vw : vstride) : 0;
+            if (have) memcpy(row, valid + (size_t)i * vstride, (size_t)have);
+            memset(row + have, 0, (size_t)(vw - have));
+            for (int64_t k = lengths[i] + lo_off; k <= lengths[i] + hi_off; k++) row[k] = 1;
+        }
+    }
     for (int j = first; j <= last; j++) {
         int col = j - first;
         if (j >= 2) {
@@ -510,8 +529,10 @@ int mtp_greedy(const MtpInput *M, const Layer *L, const float *nw, float neps, c
                 memcpy(cs + (size_t)i * d, cos_t + (size_t)pos[i] * d, sizeof(float) * d);
                 memcpy(sn + (size_t)i * d, sin_t + (size_t)pos[i] * d, sizeof(float) * d);
             }
-            if (mtp_forward(M, L, n, 1, prev, h, y, cs, sn, NULL, pos, kc, vc, cap, valid, vstride, window, scale, rest))
+            if (mtp_forward(M, L, n, 1, prev, h, y, cs, sn, NULL, pos, kc, vc, cap, vis, vw, window, scale, rest)) {
+                free(vis);
                 return -1;
+            }
             memcpy(h, y, sizeof(float) * (size_t)n * hd);
         }
         rms_norm(n, hd, h, nw, neps, nx);
@@ -524,5 +545,6 @@ int mtp_greedy(const MtpInput *M, const Layer *L, const float *nw, float neps, c
             tokens[(size_t)i * tstride + col] = ids ? ids[best] : best;
         }
     }
+    free(vis);
     return 0;
 }

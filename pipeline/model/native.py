@@ -144,7 +144,7 @@ def load(path: Path):
     lib.mtp_greedy.restype = ctypes.c_int
     lib.mtp_greedy.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                                + [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 6 + [ctypes.c_int]
-                               + [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p]
+                               + [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p]
                                + [ctypes.c_int, ctypes.c_void_p])
     return lib if _agrees(lib) else None
 
@@ -388,11 +388,13 @@ def draft_weights(head) -> NativeDraft | None:
 
 def mtp_greedy(nd: NativeDraft, n: int, first: int, last: int, h: torch.Tensor, lengths: torch.Tensor,
                cos_t: torch.Tensor, sin_t: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               valid: torch.Tensor | None, tokens: torch.Tensor) -> None:
+               valid: torch.Tensor | None, tokens: torch.Tensor, drafts_from: int = 0, drafts_to: int = -1) -> None:
     """Greedy drafts at depths first..last of one head into tokens[:, first - 1:last] (tokens
     [n, G] int64 contiguous, depth first - 1's draft in the column before where first >= 2);
     h [n, hidden] float32 contiguous: the hidden state at depth `first`, overwritten. cos_t,
-    sin_t: rotary tables by position; valid: the head's visible keys [n, T] (bool)."""
+    sin_t: rotary tables by position; valid: the head's filled keys [n, >= T] (bool), and
+    each row's keys lengths + drafts_from .. lengths + drafts_to (this step's drafts) visible
+    besides (Drafter._visible's mask; the default range is empty)."""
     layer = nd.head.layer
     lengths = lengths.contiguous()
     valid, stride = _valid_rows(valid)
@@ -401,10 +403,10 @@ def mtp_greedy(nd: NativeDraft, n: int, first: int, last: int, h: torch.Tensor, 
     status = layer.lib.mtp_greedy(
         nd.head.ref, layer.ref, nd.norm.weight.data_ptr(), nd.norm.eps, w_ptr, b_ptr, nd.vout, _ptr(nd.ids), n,
         first, last, h.data_ptr(), lengths.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), k_cache.shape[2], _ptr(valid), stride, layer.window or 0, layer.scale,
+        v_cache.data_ptr(), k_cache.shape[2], _ptr(valid), stride, drafts_from, drafts_to, layer.window or 0, layer.scale,
         tokens.data_ptr() + (first - 1) * tokens.element_size(), tokens.stride(0), scratch.data_ptr())
     if status:
-        raise MemoryError("mtp_greedy: no memory for attention's scratch")
+        raise MemoryError("mtp_greedy: no memory for its key mask or attention's scratch")
 
 
 def _agrees(lib) -> bool:
