@@ -573,3 +573,46 @@ def test_greedy_drafts_in_c_are_the_python_loops(tmp_path, monkeypatch, heads):
                 start = start + fill["count"]
     runs = sum(1 if heads == 1 or gamma == 1 else 2 for gamma in range(1, 6))     # a call per head's run of depths
     assert len(calls) == 2 * 2 * runs                                             # (rows 1 and 3, two steps)
+
+
+def test_a_heads_step_fill_in_c_is_the_torch_paths(tmp_path, monkeypatch):
+    """One head's fill of a step's accepted tokens as one C call (native.mtp_fill) leaves what
+    the torch path leaves: the head's key mask (padding entries unmarked), its KV cache, its
+    carry and the depth-1 state it returns, for 1 and 3 rows with padded entries, over two steps
+    and a backlog fill of several tokens; and drafts the same from there."""
+    from pipeline.engine.drafter import PendingFill
+    from pipeline.engine.drafters.mtp import MTPSource
+    from pipeline.model import native
+    from pipeline.spec_decode.sampling import GREEDY_PICK
+    engine = _native_demo_like_engine(tmp_path, monkeypatch, heads=1)
+    calls = []
+    real = native.mtp_fill
+    monkeypatch.setattr(native, "mtp_fill", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    hidden = engine.config.hidden_size
+    for n in (1, 3):
+        gen = torch.Generator().manual_seed(n)
+        c_path, torch_path = (MTPSource.for_engine(engine, 3, 64).drafter for _ in range(2))
+        torch_path.native_fill = False
+        firsts = []                                       # each fill's depth-1 state, as propose got it
+        for d in (c_path, torch_path):
+            d._fill = lambda pending, fill_of=d._fill: firsts.append(fill_of(pending).clone()) or firsts[-1]
+        start = torch.randint(5, 20, (n,), generator=gen)
+        for w in (3, 1, 5):
+            fill = dict(hidden=torch.randn(n, w, hidden, generator=gen), next_ids=torch.randint(0, 128, (n, w), generator=gen),
+                        count=torch.randint(1, w + 1, (n,), generator=gen))
+            firsts.clear()
+            drafts = []
+            for d in (c_path, torch_path):
+                d.add_pending(PendingFill(torch.arange(n), start.clone(), fill["hidden"], fill["next_ids"],
+                                          fill["count"], slots=list(range(n)), counts=fill["count"].tolist()))
+                with torch.inference_mode():
+                    drafts.append(d.propose(n, start + fill["count"], 3, GREEDY_PICK)[0])
+            assert len(firsts) == 2
+            torch.testing.assert_close(firsts[0], firsts[1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(c_path.carry, torch_path.carry, rtol=1e-5, atol=1e-5)
+            assert torch.equal(c_path.valid, torch_path.valid) and torch.equal(c_path.carry_ok, torch_path.carry_ok)
+            torch.testing.assert_close(c_path.cache.k, torch_path.cache.k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(c_path.cache.v, torch_path.cache.v, rtol=1e-5, atol=1e-5)
+            assert torch.equal(drafts[0], drafts[1]), (n, w)
+            start = start + fill["count"]
+    assert calls == [1] * 3 + [3] * 3              # the C path's fills, and none of the torch path's

@@ -31,6 +31,7 @@ import torch
 from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.draft_vocab import full_vocab_logits, to_full_vocab
+from pipeline.model.layers import NATIVE_ATTN_TOKENS
 from pipeline.model.mtp import head_for_depth
 
 
@@ -257,6 +258,7 @@ class Drafter:
         self.held: set[int] = set()                # slots whose heads' cache may hold entries (host side)
         self.gap = torch.zeros(batch_size, dtype=torch.bool, device=device)   # [B] tokens lost after its prompt
         self.full_vocab_picks = False  # coupled sampling: a head's draft vocabulary is picked over as -inf columns
+        self.native_fill = True        # one head's step fills as one C call where it can (`_fill_native`)
         self.prompt_fill_s = 0.0       # seconds of prompt and backlog fills run by `propose` since the last take ...
         self.prompt_fill_tokens = 0    # ... and the tokens they filled
         self.step_fill_tokens = 0      # tokens the last `propose` ran over the previous step's verify (drafting)
@@ -411,6 +413,25 @@ class Drafter:
             torch.cuda.synchronize(self.carry.device)
         return time.perf_counter()
 
+    def _fill_native(self, p: PendingFill, r: int, w: int) -> torch.Tensor | None:
+        """`_fill` for one head over rows 0..r-1 as one C call (native.mtp_fill), or None where
+        the head's forward has no C path for r x w tokens. Its rotary tables cover the cache's
+        capacity (no read of the positions' maximum)."""
+        head = self.heads[0]
+        nh = head.native_head
+        if (nh is None or p.hidden.dtype != torch.float32 or self.cache.k.dtype != torch.float32
+                or p.hidden.requires_grad or r * w > NATIVE_ATTN_TOKENS
+                or (nh.max_tokens is not None and r * w > nh.max_tokens)):
+            return None
+        tables = head._target.rope_tables(self.cache.capacity)
+        if tables is None:
+            return None
+        carry = self.carry[0, :r]
+        native.mtp_fill(nh, p.start, p.count, p.next_ids, p.hidden, *tables, self.cache.k[0], self.cache.v[0],
+                        self.valid[0, :r], carry)
+        self.carry_ok[:r] = True
+        return carry.clone()                 # the caller's depth-1 state, overwritten by drafting
+
     def _fill(self, p: PendingFill) -> torch.Tensor:
         """Run every head over a pending range (cascade); returns head 1's output at the last
         valid position of each row, from which depth 1 is drafted. A step's fill of rows
@@ -418,6 +439,10 @@ class Drafter:
         r, w = p.next_ids.shape
         dev = p.rows.device
         prefix = p.slots is not None and p.slots == list(range(r))
+        if prefix and not p.from_zero and len(self.heads) == 1 and self.native_fill:
+            got = self._fill_native(p, r, w)
+            if got is not None:
+                return got
         rows = slice(0, r) if prefix else p.rows
         steps = torch.arange(w, device=dev)
         positions = p.start[:, None] + steps                                   # [r, w]

@@ -482,6 +482,39 @@ int mtp_forward(const MtpInput *M, const Layer *L, int n, int q, const int64_t *
     return decoder_layer(L, n, q, x, y, cos, sin, rows, pos, kc, vc, cap, valid, vstride, window, scale, rest);
 }
 
+/* One head's fill of a step's accepted tokens (Drafter._fill for one head and rows 0..r-1 of its
+ * cache): row i's w entries at positions start[i] + 0..w-1, the first count[i] (>= 1) of them
+ * real. Marks them in the head's key mask (valid [r, vstride]: real 1, padding 0, the torch
+ * path's scatter), runs `mtp_forward` over ids, hidden [r, w, hidden] with that mask and the
+ * rotary rows of the positions (tables cos_t, sin_t by position), and copies each row's output
+ * at its last real entry into carry [r, hidden]. One call where the torch path takes ~20 small
+ * ops. scratch: floats for r w (2 d + hidden) and mtp_forward's for r w tokens.
+ * Returns 0, or -1 where memory runs out. */
+int mtp_fill(const MtpInput *M, const Layer *L, int r, int w, const int64_t *start, const int64_t *count,
+             const int64_t *ids, const float *hidden, const float *cos_t, const float *sin_t, float *kc, float *vc,
+             int cap, uint8_t *valid, int vstride, int window, float scale, float *carry, float *scratch) {
+    int hd = M->hidden, d = L->d;
+    size_t m = (size_t)r * w;
+    float *cs = scratch, *sn = cs + m * d, *y = sn + m * d, *rest = y + m * hd;
+    int64_t *pos = malloc(m * sizeof(int64_t));
+    if (!pos) return -1;
+    for (int i = 0; i < r; i++)
+        for (int j = 0; j < w; j++) {
+            size_t t = (size_t)i * w + j;
+            pos[t] = start[i] + j;
+            valid[(size_t)i * vstride + pos[t]] = j < count[i];
+            memcpy(cs + t * d, cos_t + (size_t)pos[t] * d, sizeof(float) * d);
+            memcpy(sn + t * d, sin_t + (size_t)pos[t] * d, sizeof(float) * d);
+        }
+    int status = mtp_forward(M, L, r, w, ids, hidden, y, cs, sn, NULL, pos, kc, vc, cap, valid, vstride, window,
+                             scale, rest);
+    if (!status)
+        for (int i = 0; i < r; i++)
+            memcpy(carry + (size_t)i * hd, y + ((size_t)i * w + count[i] - 1) * hd, sizeof(float) * hd);
+    free(pos);
+    return status;
+}
+
 /* Greedy drafts of one MTP head at depths first..last (pipeline/engine/drafter.py): at depth j >= 2
  * the head's forward on (h, the draft of depth j - 1) at position lengths + j - 2, then at every
  * depth the draft = argmax over the output linear (its draft vocabulary `ids`, or all rows) of

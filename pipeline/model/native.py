@@ -141,6 +141,9 @@ def load(path: Path):
     lib.mtp_forward.restype = ctypes.c_int
     lib.mtp_forward.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 9
                                 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p])
+    lib.mtp_fill.restype = ctypes.c_int
+    lib.mtp_fill.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 8 + [ctypes.c_int]
+                             + [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 2)
     lib.mtp_greedy.restype = ctypes.c_int
     lib.mtp_greedy.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                                + [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 6 + [ctypes.c_int]
@@ -355,6 +358,26 @@ def mtp_forward(native_head: NativeHead, prev: torch.Tensor, ids: torch.Tensor, 
     if status:
         raise MemoryError("mtp_forward: no memory for attention's scratch")
     return y
+
+
+def mtp_fill(native_head: NativeHead, start: torch.Tensor, count: torch.Tensor, ids: torch.Tensor,
+             hidden: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, valid: torch.Tensor, carry: torch.Tensor) -> None:
+    """One head's fill of rows 0..r-1 (half_gemm.c `mtp_fill`): start, count [r] int64; ids [r, w];
+    hidden [r, w, hidden] float32; cos_t, sin_t: rotary tables by position covering every
+    position; valid: the head's key mask rows [r, T] (bool, unit stride along keys; written);
+    carry [r, hidden] float32 contiguous (written: each row's output at its last real entry)."""
+    r, w = ids.shape
+    layer = native_head.layer
+    assert valid.stride(-1) == 1 and carry.is_contiguous()      # both are written in place
+    start, count, ids, hidden = start.contiguous(), count.contiguous(), ids.contiguous(), hidden.contiguous()
+    scratch = torch.empty(r * w * (2 * layer.weights.d + native_head.weights.hidden + native_head.scratch))
+    status = layer.lib.mtp_fill(
+        native_head.ref, layer.ref, r, w, start.data_ptr(), count.data_ptr(), ids.data_ptr(), hidden.data_ptr(),
+        cos_t.data_ptr(), sin_t.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2],
+        valid.data_ptr(), valid.stride(0), layer.window or 0, layer.scale, carry.data_ptr(), scratch.data_ptr())
+    if status:
+        raise MemoryError("mtp_fill: no memory for its positions or attention's scratch")
 
 
 class NativeDraft:
