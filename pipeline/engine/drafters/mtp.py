@@ -47,7 +47,8 @@ class MTPSource:
         tokens = torch.randint(0, d.heads[0].vocab_size, (rows, q), generator=gen).to(dev)      # [rows, q]
         hidden = torch.zeros(rows, q, d.carry.shape[-1], dtype=d.carry.dtype, device=dev)       # [rows, q, H]
         fill = PendingFill(torch.arange(rows, device=dev), torch.full((rows,), max(ctx - q, 0), device=dev),
-                           hidden, tokens, torch.full((rows,), q, device=dev))
+                           hidden, tokens, torch.full((rows,), q, device=dev),
+                           slots=list(range(rows)), counts=[q] * rows)       # as `after_verify` gives them
         lengths = torch.full((rows,), ctx, device=dev)
 
         def run():
