@@ -31,7 +31,7 @@ import torch
 from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.draft_vocab import full_vocab_logits, to_full_vocab
-from pipeline.model.layers import NATIVE_ATTN_TOKENS
+from pipeline.model.layers import native_tokens
 from pipeline.model.mtp import head_for_depth
 
 
@@ -419,9 +419,7 @@ class Drafter:
         capacity (no read of the positions' maximum)."""
         head = self.heads[0]
         nh = head.native_head
-        if (nh is None or p.hidden.dtype != torch.float32 or self.cache.k.dtype != torch.float32
-                or p.hidden.requires_grad or r * w > NATIVE_ATTN_TOKENS
-                or (nh.max_tokens is not None and r * w > nh.max_tokens)):
+        if nh is None or not native_tokens(p.hidden, self.cache, nh.max_tokens):
             return None
         tables = head._target.rope_tables(self.cache.capacity)
         if tables is None:

@@ -141,7 +141,7 @@ class DraftPlanner:
             if not any(ng.match):
                 ng = None
         if ng is None:
-            if mtp is None or not mtp_gamma or measuring or not (self.auto and ngram is not None and self.ngram_cap > 0):
+            if mtp is None or not mtp_gamma or measuring or not self._tails_possible():
                 return self._mtp_only(n, lengths, rows, mtp_gamma, pick, looked)     # no n-gram tails either
             return self._heads_step(n, lengths, rows, mtp_gamma, pick, looked,
                                     self._heads_cum(stats, mtp_prior, mtp_gamma), stats, ctx)
@@ -226,10 +226,9 @@ class DraftPlanner:
         Example, batch 1, gamma 5, p_all 0.68, a 3-token match kept at 0.6 then 0.5: tail P
         [0.41, 0.20]; on a step expecting 4.9 tokens the first adds 8%, the second 4%, so each
         is kept where widening the verify by one token costs less than that share of the step."""
-        ngram = self.sources.get("ngram")
-        if not self.auto or ngram is None or self.ngram_cap <= 0 or p_all <= 0:
+        if not self._tails_possible() or p_all <= 0:
             return plan
-        model, g = self.cost_model(), plan.mtp_gamma
+        ngram, model, g = self.sources.get("ngram"), self.cost_model(), plan.mtp_gamma
         if model is None:
             return plan
         if self._tail_pause.skip():
@@ -266,6 +265,10 @@ class DraftPlanner:
         return StepDrafts(drafts, torch.tensor(lens, device=dev), probs, one_hot, g, um,
                           plan.match or [0] * n, plan.lookup_s + time.perf_counter() - t0,
                           tail, [m if t else 0 for m, t in zip(match, tail)])
+
+    def _tails_possible(self) -> bool:
+        """Heads rows may get n-gram tails: `auto`, with an n-gram source allowed to draft."""
+        return self.auto and self.sources.get("ngram") is not None and self.ngram_cap > 0
 
     def _mtp_only(self, n: int, lengths, rows, mtp_gamma: int, pick, looked: float = 0.0) -> StepDrafts:
         """Every row drafts mtp_gamma with the heads (or nobody drafts): the step as before n-grams.

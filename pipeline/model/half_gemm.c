@@ -482,6 +482,15 @@ int mtp_forward(const MtpInput *M, const Layer *L, int n, int q, const int64_t *
     return decoder_layer(L, n, q, x, y, cos, sin, rows, pos, kc, vc, cap, valid, vstride, window, scale, rest);
 }
 
+/* The rotary rows of m positions: cs, sn [m, d] from tables cos_t, sin_t [> max position, d]. */
+static void rope_rows(size_t m, int d, const int64_t *pos, const float *cos_t, const float *sin_t, float *cs,
+                      float *sn) {
+    for (size_t t = 0; t < m; t++) {
+        memcpy(cs + t * d, cos_t + (size_t)pos[t] * d, sizeof(float) * d);
+        memcpy(sn + t * d, sin_t + (size_t)pos[t] * d, sizeof(float) * d);
+    }
+}
+
 /* One head's fill of a step's accepted tokens (Drafter._fill for one head and rows 0..r-1 of its
  * cache): row i's w entries at positions start[i] + 0..w-1, the first count[i] (>= 1) of them
  * real. Marks them in the head's key mask (valid [r, vstride]: real 1, padding 0, the torch
@@ -503,9 +512,8 @@ int mtp_fill(const MtpInput *M, const Layer *L, int r, int w, const int64_t *sta
             size_t t = (size_t)i * w + j;
             pos[t] = start[i] + j;
             valid[(size_t)i * vstride + pos[t]] = j < count[i];
-            memcpy(cs + t * d, cos_t + (size_t)pos[t] * d, sizeof(float) * d);
-            memcpy(sn + t * d, sin_t + (size_t)pos[t] * d, sizeof(float) * d);
         }
+    rope_rows(m, d, pos, cos_t, sin_t, cs, sn);
     int status = mtp_forward(M, L, r, w, ids, hidden, y, cs, sn, NULL, pos, kc, vc, cap, valid, vstride, window,
                              scale, rest);
     if (!status)
@@ -559,9 +567,8 @@ int mtp_greedy(const MtpInput *M, const Layer *L, const float *nw, float neps, c
             for (int i = 0; i < n; i++) {
                 pos[i] = lengths[i] + j - 2;
                 prev[i] = tokens[(size_t)i * tstride + col - 1];
-                memcpy(cs + (size_t)i * d, cos_t + (size_t)pos[i] * d, sizeof(float) * d);
-                memcpy(sn + (size_t)i * d, sin_t + (size_t)pos[i] * d, sizeof(float) * d);
             }
+            rope_rows(n, d, pos, cos_t, sin_t, cs, sn);
             if (mtp_forward(M, L, n, 1, prev, h, y, cs, sn, NULL, pos, kc, vc, cap, vis, vw, window, scale, rest)) {
                 free(vis);
                 return -1;

@@ -29,10 +29,15 @@ NATIVE_ATTN_TOKENS = 512   # query tokens up to which a cached CPU attention tak
 
 def native_step(x: torch.Tensor, batch: Batch, cache: KVCache | None, max_tokens: int | None = None) -> bool:
     """Whether a forward of x [n, q, ...] takes the C kernels (pipeline.model.native): a cached
-    step, not a prefill from position 0, in float32 with a float32 cache, of at most
-    NATIVE_ATTN_TOKENS tokens and `max_tokens` (None: any), with no gradient wanted."""
+    step, not a prefill from position 0, that `native_tokens` allows."""
+    return not batch.from_zero and native_tokens(x, cache, max_tokens)
+
+
+def native_tokens(x: torch.Tensor, cache: KVCache | None, max_tokens: int | None = None) -> bool:
+    """x [n, q, ...] in float32 with a float32 cache, at most NATIVE_ATTN_TOKENS tokens and
+    `max_tokens` (None: any), with no gradient wanted: what the C kernels take."""
     n = x.shape[0] * x.shape[1]
-    return (cache is not None and not batch.from_zero and x.dtype == cache.k.dtype == torch.float32
+    return (cache is not None and x.dtype == cache.k.dtype == torch.float32
             and n <= NATIVE_ATTN_TOKENS and (max_tokens is None or n <= max_tokens) and not x.requires_grad)
 
 
