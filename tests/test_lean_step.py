@@ -1,5 +1,7 @@
 """The lean verify step: packed ([in, out]) linears compute what the checkpoint's linears do,
 the loader packs on CPU only for inference, and the step-cost harness reports every shape."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -374,7 +376,9 @@ def test_native_attention_is_the_torch_path_with_its_cache_writes(n, q, hq, hk, 
 def test_attention_takes_the_c_kernel_for_a_steps_few_tokens_only():
     """A cached CPU attention of up to NATIVE_ATTN_TOKENS query tokens runs the C kernel and
     matches the torch path; a prefill from position 0, a wider forward and an input that needs
-    a gradient keep torch's ops."""
+    a gradient keep torch's ops. The two sum in their own orders, and at 512 queries of this
+    layer's large scores float32 itself is off by ~7e-4 (outputs ~150): each is measured against
+    the layer in float64, and the C kernel must come as close to it as torch's float32 does."""
     from pipeline.model import native
     from pipeline.model.cache import Batch, KVCache
     from pipeline.model.config import ArchConfig
@@ -387,6 +391,7 @@ def test_attention_takes_the_c_kernel_for_a_steps_few_tokens_only():
     for p in attn.parameters():
         p.data.normal_(generator=gen)
     attn.fuse_()
+    exact = copy.deepcopy(attn).double()
     calls = []
     lib = native.library()
     attn.native = type("Spy", (), {"attend": lambda self, *a: calls.append(a[1]) or lib.attend(*a)})()
@@ -394,14 +399,17 @@ def test_attention_takes_the_c_kernel_for_a_steps_few_tokens_only():
     for rows, q, start in ((1, 1, 5), (2, 3, 7), (1, NATIVE_ATTN_TOKENS, 0), (1, NATIVE_ATTN_TOKENS + 1, 0)):
         positions = torch.arange(q)[None].expand(rows, q) + start
         angles = positions[..., None].float() * torch.linspace(0.1, 1.0, 8)
-        caches = [KVCache(1, rows, start + q, 2, 8, torch.float32, "cpu") for _ in range(2)]
+        caches = [KVCache(1, rows, start + q, 2, 8, dt, "cpu") for dt in (torch.float32,) * 2 + (torch.float64,)]
         x = torch.randn(rows, q, 32, generator=gen)
         outs = []
-        for cache, on in zip(caches, (True, False)):
+        for cache, on in zip(caches, (True, False, False)):
+            dt = cache.k.dtype
             batch = Batch.make(positions, kv_len=start + q)
-            batch.cos, batch.sin = angles.cos(), angles.sin()
-            outs.append(attn.forward(x, batch, cache, 0) if on else _without_native(attn, x, batch, cache))
-        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+            batch.cos, batch.sin = angles.cos().to(dt), angles.sin().to(dt)
+            layer = attn if dt == torch.float32 else exact
+            outs.append((attn.forward(x, batch, cache, 0) if on else _without_native(layer, x.to(dt), batch, cache)).double())
+        err_c, err_torch = ((o - outs[2]).abs().max().item() for o in outs[:2])
+        assert err_c <= 2 * err_torch + 1e-6, (rows, q, err_c, err_torch)
         torch.testing.assert_close(caches[0].k, caches[1].k, rtol=0, atol=0)
     assert calls == [1, 3, NATIVE_ATTN_TOKENS]           # q of each call that took the C kernel
     batch = Batch.from_start(1, 4, "cpu")                  # a prefill: plain causal SDPA

@@ -65,8 +65,21 @@ static inline vi imul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 static inline vm ieq(vi a, vi b) { return _mm512_cmpeq_epi32_mask(a, b); }
 static inline vm ile(vi a, vi b) { return _mm512_cmple_epi32_mask(a, b); }
 static inline vm ige(vi a, vi b) { return _mm512_cmpge_epi32_mask(a, b); }
-static inline vf vgather_m(vm m, vi idx, const float *base) {
-    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base, 4);
+/* lane k = the sum of v[k]'s lanes, for VW vectors: a tree of lane shuffles and adds (46 ops
+ * where 16 reductions take ~130); lane k of the last level holds v[4 (k % 4) + k / 4]'s sum */
+static inline vf vtsum(const vf *v) {
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
+    vf d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), d);
 }
 /* lanes below n whose byte p[lane] is not 0 */
 static inline vm vbytes(const uint8_t *p, int n) {
@@ -121,8 +134,11 @@ static inline vm vneq(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, 
 static inline vm ieq(vi a, vi b) { return _mm256_cmpeq_epi32(a, b); }
 static inline vm ile(vi a, vi b) { return _mm256_xor_si256(_mm256_cmpgt_epi32(a, b), _mm256_set1_epi32(-1)); }
 static inline vm ige(vi a, vi b) { return _mm256_xor_si256(_mm256_cmpgt_epi32(b, a), _mm256_set1_epi32(-1)); }
-static inline vf vgather_m(vm m, vi idx, const float *base) {
-    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, idx, _mm256_castsi256_ps(m), 4);
+/* lane k = the sum of v[k]'s lanes, for VW vectors (horizontal adds, then the halves) */
+static inline vf vtsum(const vf *v) {
+    vf lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    vf hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 /* lanes below n whose byte p[lane] is not 0 (reads only p[0..n-1]) */
 static inline vm vbytes(const uint8_t *p, int n) {
@@ -249,38 +265,76 @@ static inline vf vexp(vf x) {
 
 #define QB 4              /* query vectors sharing each load of a key or value vector */
 
-/* scores s[b][0:VW] = sum_e q[b][e] * kt[e][0:VW] for nb <= QB query vectors (kt: VW keys, transposed) */
-static inline void qk_block(int nb, int d, const float *q, const float *kt, vf *s) {
-    vf acc[QB];
-    for (int b = 0; b < QB; b++) acc[b] = vzero();
-    for (int e = 0; e < d; e++) {
-        vf k = vload(kt + e * VW);
-        for (int b = 0; b < QB; b++)
-            if (b < nb) acc[b] = vfma(vset(q[b * d + e]), k, acc[b]);
-    }
-    for (int b = 0; b < nb; b++) s[b] = acc[b];
-}
-
 /* out[b][u:u+VW] = sum_j w[b][j] * v[j][u:u+VW] over `keys` keys, for nb <= QB weight rows
  * (row stride ws); m: the lanes of d at u */
 static inline void pv_block(int nb, int keys, int d, int u, vm m, const float *w, int ws,
                             const float *v, float *out) {
-    vf acc[QB];
-    for (int b = 0; b < QB; b++) acc[b] = vzero();
-    for (int j = 0; j < keys; j++) {
+    vf acc[QB], odd[QB];                 /* even and odd keys: two chains of FMAs per row */
+    for (int b = 0; b < QB; b++) acc[b] = odd[b] = vzero();
+    int j = 0;
+    for (; j + 1 < keys; j += 2) {
+        vf x = vload_m(m, v + (size_t)j * d + u), y = vload_m(m, v + (size_t)(j + 1) * d + u);
+        for (int b = 0; b < QB; b++)
+            if (b < nb) {
+                acc[b] = vfma(vset(w[b * ws + j]), x, acc[b]);
+                odd[b] = vfma(vset(w[b * ws + j + 1]), y, odd[b]);
+            }
+    }
+    if (j < keys) {
         vf x = vload_m(m, v + (size_t)j * d + u);
         for (int b = 0; b < QB; b++)
             if (b < nb) acc[b] = vfma(vset(w[b * ws + j]), x, acc[b]);
     }
-    for (int b = 0; b < nb; b++) vstore_m(out + (size_t)b * d + u, m, acc[b]);
+    for (int b = 0; b < nb; b++) vstore_m(out + (size_t)b * d + u, m, vadd(acc[b], odd[b]));
+}
+
+/* Ask for rows [from, to) of a [*, d] float32 array to be brought into L2. Attention
+ * reads a step's KV cache once, from memory (a 48-row step at 128 keys reads 80 MB on the demo
+ * model), one (row, kv head) block at a time with compute between the blocks, and the hardware
+ * prefetcher starts afresh at each block: fetching the next block while this one computes made
+ * a 48-row step 1.2-1.4x faster on a Zen 4 (docs/decisions.md, stop 52). */
+static inline void prefetch_rows(const float *a, int64_t from, int64_t to, int d) {
+    const char *p = (const char *)(a + (size_t)from * d), *end = (const char *)(a + (size_t)to * d);
+    for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
+}
+
+/* the keys row i's queries see: [first, last] */
+static inline void row_span(int q, const int64_t *pos, int window, int64_t *first, int64_t *last) {
+    *first = INT64_MAX, *last = 0;
+    for (int t = 0; t < q; t++) {
+        int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        *first = lo < *first ? lo : *first;
+        *last = p > *last ? p : *last;
+    }
+}
+
+/* q . K[k] for the keys k < in of a block (K: key rows, stride d), in lane k: VW independent
+ * sums (a key's lanes summed by vtsum), so no keys need gathering; lanes from `in` on repeat the
+ * last key (read, never used) */
+static inline vf qk_rows(int d, int in, const float *q, const float *K) {
+    const float *kr[VW];
+    vf part[VW];
+    for (int k = 0; k < VW; k++) {
+        kr[k] = K + (size_t)(k < in ? k : in - 1) * d;
+        part[k] = vzero();
+    }
+    int u = 0;
+    for (; u + VW <= d; u += VW) {
+        vf qv = vload(q + u);
+        for (int k = 0; k < VW; k++) part[k] = vfma(qv, vload(kr[k] + u), part[k]);
+    }
+    if (u < d) {
+        vm m = vfirst(d - u);
+        vf qv = vload_m(m, q + u);
+        for (int k = 0; k < VW; k++) part[k] = vfma(qv, vload_m(m, kr[k] + u), part[k]);
+    }
+    return vtsum(part);
 }
 
 #define BLOCKS(NB) \
-    static void qk##NB(int d, const float *q, const float *kt, vf *s) { qk_block(NB, d, q, kt, s); } \
     static void pv##NB(int keys, int d, int u, vm m, const float *w, int ws, const float *v, float *out) \
         { pv_block(NB, keys, d, u, m, w, ws, v, out); }
 BLOCKS(1) BLOCKS(2) BLOCKS(3) BLOCKS(4)
-static void (*const QK[QB + 1])(int, const float *, const float *, vf *) = {NULL, qk1, qk2, qk3, qk4};
 static void (*const PV[QB + 1])(int, int, int, vm, const float *, int, const float *, float *) =
     {NULL, pv1, pv2, pv3, pv4};
 
@@ -291,9 +345,10 @@ static void (*const PV[QB + 1])(int, int, int, vm, const float *, int, const flo
  *
  * Why: at batch 1 torch spends ~15 small ops a layer here (index_put writes, RoPE, the mask,
  * SDPA's setup) against a few us of arithmetic.
- * How: per row and kv head, the queries of its q tokens and its group of query heads share each
- * block of VW keys (gathered transposed once) and each value vector read; scores, softmax and the
- * weighted sum of values run VW lanes wide.
+ * How: per row and kv head, the queries of its q tokens and its group of query heads each score
+ * a block of VW keys at once (`qk_rows`), share each value vector read, and the next row and kv
+ * head's keys and values are fetched meanwhile (prefetch_rows); scores, softmax and the weighted sum
+ * of values run VW lanes wide.
  *
  * qkv: [n, q, hq + 2 hk, d] (q heads, k heads, v heads); cos, sin: [n, q, d];
  * rows: [n] cache rows (NULL: row i); pos: [n, q]; kc, vc: the layer's [B, hk, cap, d];
@@ -319,16 +374,18 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
     int64_t top = 0;
     for (size_t x = 0; x < (size_t)n * q; x++) top = pos[x] > top ? pos[x] : top;
     int width = (int)((top + VW) / VW * VW);
-    float *qs = malloc(sizeof(float) * ((size_t)nq * d + (size_t)nq * width + VW * (size_t)d));
+    float *qs = malloc(sizeof(float) * ((size_t)nq * d + (size_t)nq * width));
     if (!qs) return -1;
-    float *w = qs + (size_t)nq * d, *kt = w + (size_t)nq * width;
+    float *w = qs + (size_t)nq * d;
     int64_t lo[nq], hi[nq];
-    const vi lane = ilane(), idx = imul(lane, iset(d));
+    const vi lane = ilane();
     for (int i = 0; i < n; i++) {
         size_t r = rows ? (size_t)rows[i] : (size_t)i;
         const uint8_t *ok = valid ? valid + (size_t)i * vstride : NULL;
+        int64_t first, last;
+        row_span(q, pos + (size_t)i * q, window, &first, &last);
+        int keys = (int)(last - first + 1), blocks = (keys + VW - 1) / VW;
         for (int g = 0; g < hk; g++) {
-            int64_t first = INT64_MAX, last = 0;
             for (int t = 0; t < q; t++) {           /* query b = t * group + hh: head g * group + hh */
                 const float *src = qkv + ((size_t)i * q + t) * heads * d;
                 const float *c = cos + ((size_t)i * q + t) * d, *s = sin + ((size_t)i * q + t) * d;
@@ -338,48 +395,35 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
                     rope(d, src + (size_t)(g * group + hh) * d, c, s, qs + (size_t)b * d);
                     hi[b] = p;
                     lo[b] = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-                    first = lo[b] < first ? lo[b] : first;
-                    last = p > last ? p : last;
                 }
             }
             const float *K = kc + (r * hk + g) * cap * d, *V = vc + (r * hk + g) * cap * d;
-            int keys = (int)(last - first + 1);
-            if (nq <= QB) {                  /* a few queries: each key's dot products from its row */
-                for (int j = 0; j < keys; j++) {
-                    int64_t key = first + j;
-                    const float *kj = K + (size_t)key * d;
-                    vf acc[QB];
-                    for (int b = 0; b < QB; b++) acc[b] = vzero();
-                    for (int u = 0; u < d; u += VW) {
-                        vm m = vfirst(d - u);
-                        vf kv = vload_m(m, kj + u);
-                        for (int b = 0; b < QB; b++)
-                            if (b < nq) acc[b] = vfma(vload_m(m, qs + (size_t)b * d + u), kv, acc[b]);
-                    }
-                    int held = !ok || ok[key];
-                    for (int b = 0; b < nq; b++) {
-                        int seen = key <= hi[b] && key >= lo[b] && (held || key == hi[b]);
-                        w[(size_t)b * width + j] = seen ? vsum(acc[b]) * scale : -INFINITY;
-                    }
-                }
+            /* the next (row, kv head)'s keys and values, a slice per block of this one's (prefetch_rows) */
+            const float *NK = NULL, *NV = NULL;
+            int64_t nfirst = first, nlast = last;
+            if (g + 1 < hk) {
+                NK = K + (size_t)cap * d, NV = V + (size_t)cap * d;
+            } else if (i + 1 < n) {
+                size_t nr = rows ? (size_t)rows[i + 1] : (size_t)i + 1;
+                NK = kc + nr * hk * cap * d, NV = vc + nr * hk * cap * d;
+                row_span(q, pos + (size_t)(i + 1) * q, window, &nfirst, &nlast);
             }
-            for (int j0 = 0; nq > QB && j0 < keys; j0 += VW) {   /* more: VW keys at a time, gathered */
+            int64_t slice = (nlast - nfirst + blocks) / blocks;
+            for (int j0 = 0; j0 < keys; j0 += VW) {      /* VW keys at a time */
                 int in = keys - j0 < VW ? keys - j0 : VW;
                 vm km = vfirst(in);
-                const float *base = K + (size_t)(first + j0) * d;
-                for (int e = 0; e < d; e++) vstore(kt + e * VW, vgather_m(km, idx, base + e));
                 vi jv = iadd(lane, iset((int)(first + j0)));
                 vm seen = ok ? vbytes(ok + first + j0, in) : km;
-                for (int b0 = 0; b0 < nq; b0 += QB) {
-                    int nb = nq - b0 < QB ? nq - b0 : QB;
-                    vf sc[QB];
-                    QK[nb](d, qs + (size_t)b0 * d, kt, sc);
-                    for (int b = 0; b < nb; b++) {
-                        vi ph = iset((int)hi[b0 + b]);
-                        vm m = vm_and(vm_and(vm_or(seen, ieq(jv, ph)), ile(jv, ph)),
-                                      vm_and(ige(jv, iset((int)lo[b0 + b])), km));
-                        vstore(w + (size_t)(b0 + b) * width + j0, vsel(m, vmul(sc[b], vset(scale)), vset(-INFINITY)));
-                    }
+                if (NK) {
+                    int64_t from = nfirst + j0 / VW * slice, to = from + slice > nlast + 1 ? nlast + 1 : from + slice;
+                    prefetch_rows(NK, from, to, d);
+                    prefetch_rows(NV, from, to, d);
+                }
+                for (int b = 0; b < nq; b++) {
+                    vf sc = qk_rows(d, in, qs + (size_t)b * d, K + (size_t)(first + j0) * d);
+                    vi ph = iset((int)hi[b]);
+                    vm m = vm_and(vm_and(vm_or(seen, ieq(jv, ph)), ile(jv, ph)), vm_and(ige(jv, iset((int)lo[b])), km));
+                    vstore(w + (size_t)b * width + j0, vsel(m, vmul(sc, vset(scale)), vset(-INFINITY)));
                 }
             }
             for (int b = 0; b < nq; b++) {                 /* softmax of each query's scores */
