@@ -47,6 +47,8 @@ static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vm vlt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
 static inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -104,6 +106,7 @@ static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline float vsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -131,6 +134,7 @@ static inline vf vload_m(vm m, const float *p) { return _mm256_maskload_ps(p, m)
 static inline void vstore_m(float *p, vm m, vf v) { _mm256_maskstore_ps(p, m, v); }
 static inline vf vsel(vm m, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
 static inline vm vneq(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_NEQ_OQ)); }
+static inline vm vlt(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
 static inline vm ieq(vi a, vi b) { return _mm256_cmpeq_epi32(a, b); }
 static inline vm ile(vi a, vi b) { return _mm256_xor_si256(_mm256_cmpgt_epi32(a, b), _mm256_set1_epi32(-1)); }
 static inline vm ige(vi a, vi b) { return _mm256_xor_si256(_mm256_cmpgt_epi32(b, a), _mm256_set1_epi32(-1)); }
@@ -261,6 +265,13 @@ static inline vf vexp(vf x) {
     p = vfma(p, r, vset(5.0000001201e-1f));
     p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
     return vscale2(p, n);
+}
+
+/* silu(g) = g / (1 + e^-g), VW lanes, from t = e^-|g| (in vexp's range): g / (1 + t) for g >= 0,
+ * g t / (1 + t) below, the same quotient without an e^x that overflows */
+static inline vf vsilu(vf g) {
+    vf t = vexp(vmax(vsub(vzero(), vmax(g, vsub(vzero(), g))), vset(-87.0f)));
+    return vdiv(vsel(vlt(g, vzero()), vmul(g, t), g), vadd(vset(1.0f), t));
 }
 
 #define QB 4              /* query vectors sharing each load of a key or value vector */
@@ -472,7 +483,7 @@ typedef struct {
 
 /* y = x + attn(norm_in(x)); y += mlp(norm_post(y)) for m = n * q tokens, as DecoderLayer.block with
  * fused q|k|v and gate|up projections: one call where the Python layer makes ~25 (norms, five
- * linears, attention, SiLU-and-product, residuals). silu(g) = g / (1 + e^-g) in float32.
+ * linears, attention, SiLU-and-product, residuals). silu(g) = g / (1 + e^-g) in float32 (vsilu).
  * scratch: floats for [m, hidden + (hq + 2 hk) d + hq d + 3 inter] (`layer_scratch`).
  * The attention arguments as `attend`'s. Returns 0, or -1 where attention could not allocate. */
 int decoder_layer(const Layer *L, int n, int q, const float *x, float *y, const float *cos, const float *sin,
@@ -492,7 +503,10 @@ int decoder_layer(const Layer *L, int n, int q, const float *x, float *y, const 
     for (size_t r = 0; r < m; r++) {
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = act + r * inter;
-        for (int j = 0; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        for (int j = 0; j < inter; j += VW) {
+            vm k = vfirst(inter - j);
+            vstore_m(o + j, k, vmul(vsilu(vload_m(k, g + j)), vload_m(k, u + j)));
+        }
     }
     half_gemm((int)m, inter, h, act, L->down, L->down_b, t);
     for (size_t i = 0; i < m * h; i++) y[i] += t[i];
