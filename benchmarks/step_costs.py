@@ -7,6 +7,7 @@
     python benchmarks/step_costs.py --compare-kernel # native float16-weight GEMM against FBGEMM's
     python benchmarks/step_costs.py --compare-norm   # the C RMSNorm against torch's
     python benchmarks/step_costs.py --compare-layer  # the C attention and decoder layer against torch's
+    python benchmarks/step_costs.py --compare-source HEAD~1  # the C kernels of a commit against the tree's
 
 --compare loads the checkpoint twice: "lean" as the engine runs it, and "baseline" with this
 branch's step changes switched off (linears in the checkpoint's [out, in] layout, rotary
@@ -18,12 +19,16 @@ half_gemm (pipeline/model/native.py), beside the engine as it runs.
 --compare-norm: the engine with torch's RMSNorm where it runs the C one, beside it.
 --compare-layer: the engine with torch's attention (RoPE, cache write, mask, SDPA), its layers
 and heads as modules and its greedy drafting in Python, where it runs them as C calls, beside it.
+--compare-source REV: the engine with the C kernels of git revision REV's half_gemm.c (built as
+the engine builds its own), beside the engine with the working tree's.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -35,6 +40,7 @@ import torch  # noqa: E402
 
 from pipeline.bench.step_costs import baseline_engine, measure, measure_many, table  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
+from pipeline.model import native  # noqa: E402
 from pipeline.model.layers import Attention, DecoderLayer, RMSNorm  # noqa: E402
 from pipeline.model.mtp import MTPHead  # noqa: E402
 
@@ -58,6 +64,23 @@ def engine_without(args, switch_off) -> Engine:
     set_draft_vocab(engine, args.draft_vocab)
     for module in [*engine.target.modules(), *(m for h in engine.heads for m in h.modules())]:
         switch_off(module)
+    return engine
+
+
+def engine_with_source(args, rev: str) -> Engine:
+    """The checkpoint loaded with the C kernels of git revision `rev`'s half_gemm.c."""
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pipeline/model/half_gemm.c"],
+                          capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "half_gemm.c"
+        source.write_text(text)
+        path = native.build(source=source)
+        lib = native.load(path) if path else None
+    if lib is None:
+        raise SystemExit(f"{rev}'s half_gemm.c does not build or load here")
+    with mock.patch.object(native, "library", lambda: lib):
+        engine = Engine.from_pretrained(args.model, device=args.device)
+    set_draft_vocab(engine, args.draft_vocab)
     return engine
 
 
@@ -98,6 +121,8 @@ def main(argv=None) -> None:
                     help="also time torch's RMSNorm in place of the C one (see above), interleaved")
     ap.add_argument("--compare-layer", action="store_true",
                     help="also time torch's attention and per-module layers in place of the C ones (see above)")
+    ap.add_argument("--compare-source", metavar="REV",
+                    help="also time the C kernels of git revision REV in place of the tree's (see above)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,8 +134,12 @@ def main(argv=None) -> None:
           f"{args.stat} of {args.reps}, {args.clock} clock\n")
     stat = min if args.stat == "min" else statistics.median
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    if args.compare or args.compare_gemm or args.compare_kernel or args.compare_norm or args.compare_layer:
-        if args.compare_layer:
+    if (args.compare or args.compare_gemm or args.compare_kernel or args.compare_norm or args.compare_layer
+            or args.compare_source):
+        if args.compare_source:
+            engines = {f"C kernels at {args.compare_source}": engine_with_source(args, args.compare_source),
+                       "C kernels of the tree": engine}
+        elif args.compare_layer:
             engines = {"torch attention, module layers": engine_without(args, _torch_layers),
                        "C attention, C layers": engine}
         elif args.compare_norm:

@@ -248,6 +248,20 @@ def test_cpu_linear_keeps_float32_where_this_machine_runs_it_faster(monkeypatch)
         assert seen == [(16, 8, torch.get_num_threads(), packed.fp16_kernel())]
 
 
+def test_a_float16_gemm_that_wins_at_every_row_count_timed_takes_any(monkeypatch):
+    """Where the float16-weight GEMM wins up to the largest row count timed (ROWS[-1]), a prefill's
+    or a wide verify's rows take it too (max_rows None); a crossover below that caps it."""
+    from pipeline.model import packed
+    from pipeline.model.packed import ROWS, Fp16WeightLinear
+    if not packed.fp16_gemm_works():
+        pytest.skip("this torch build has no float16-weight GEMM")
+    w = torch.randn(16, 8).half().float()
+    for timed, cap in ((ROWS[-1], None), (ROWS[-2], ROWS[-2])):
+        monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *key: timed)
+        layer = packed.cpu_linear(w)
+        assert isinstance(layer, Fp16WeightLinear) and layer.max_rows == cap
+
+
 def test_fp16_weight_linear_hands_inputs_past_max_rows_to_float32(monkeypatch):
     """Up to max_rows input rows (all leading dims together) FBGEMM's GEMM, beyond them the
     float32 one: where the arithmetic, not the weight's bytes, bounds a linear."""

@@ -71,10 +71,12 @@ def _cache_dir() -> Path:
     return Path(home) / "specbatch"
 
 
-def build(cache: Path | None = None, isa_name: str | None = None) -> Path | None:
+def build(cache: Path | None = None, isa_name: str | None = None, source: Path | None = None) -> Path | None:
     """The compiled library's path (compiled now unless cached), or None where it cannot be.
-    isa_name: a key of ISA_FLAGS (default: `isa()`)."""
+    isa_name: a key of ISA_FLAGS (default: `isa()`); source: another half_gemm.c (default
+    SOURCE; benchmarks/step_costs.py --compare-source times an earlier commit's)."""
     flags = FLAGS + ISA_FLAGS[isa_name or isa()]
+    source = source or SOURCE
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
@@ -82,7 +84,7 @@ def build(cache: Path | None = None, isa_name: str | None = None) -> Path | None
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(flags), _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([source.read_text(), cc, version, " ".join(flags), _cpu_flags()]).encode())
     for folder in ([cache] if cache is not None else [_cache_dir(), Path(tempfile.gettempdir()) / "specbatch"]):
         path = folder / f"half_gemm-{key.hexdigest()[:16]}.so"
         if path.exists():
@@ -94,7 +96,7 @@ def build(cache: Path | None = None, isa_name: str | None = None) -> Path | None
         except OSError:
             continue                              # not writable: try the next folder
         try:
-            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, timeout=120)
+            done = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, timeout=120)
             if done.returncode != 0:
                 return None                       # e.g. no AVX-512 (#error), an old compiler
             os.replace(tmp, path)                 # atomic: a concurrent process loads a whole file

@@ -125,7 +125,7 @@ def fp16_gemm_works() -> bool:
     return y.dtype == torch.float32 and torch.allclose(y, x @ w.t(), rtol=1e-5, atol=1e-6)
 
 
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)   # won at the last: any rows (`cpu_linear`)
 FIRST_GAIN = 0.9        # at one row FBGEMM must take at most this share of the float32 time ...
 LATER_GAIN = 1.0        # ... and at more rows no more than it
 
@@ -157,9 +157,11 @@ def fp16_gemm_rows(out_features: int, in_features: int, threads: int, kernel: st
     [out, in] weight on this machine: `crossover` of its timings at ROWS, stopping at the first
     row count it loses. Timed as in a forward, with the weight out of L2: each round runs a copy
     after copy of it, 16 MiB in all; per kernel the fastest of 5 interleaved rounds, so a busy
-    spell of a shared machine hits both alike. Once per process, weight shape and `threads`
-    (torch's thread count) and `kernel` (default `fp16_kernel()`); about 0.1-0.3 s for a
-    256 x 6,144 weight.
+    spell of a shared machine hits both alike. Above 8 rows the arithmetic, not the weight's
+    bytes, bounds both kernels: fewer copies (down to 2) keep a round's work about that of 8
+    rows, and from 128 rows 3 rounds. Once per process, weight shape and `threads` (torch's
+    thread count) and `kernel` (default `fp16_kernel()`); 0.1-0.2 s a weight, 0.6 s for a
+    256 x 6,144 one. Winning at every row count up to 512 (ROWS[-1]) means any count.
 
     The native kernel is taken up to `native.rows_per_pass()` rows (one read of a weight of half the bytes)
     without timing: this timing at 1-4 rows, each weight copy warm in L3, flipped between
@@ -176,9 +178,10 @@ def fp16_gemm_rows(out_features: int, in_features: int, threads: int, kernel: st
     with torch.inference_mode():
         for rows in (r for r in ROWS if r > floor):
             x = torch.randn(rows, in_features, generator=gen)
+            n = copies if rows <= 8 else max(2, copies * 8 // rows)
             best = [float("inf"), float("inf")]
-            for _ in range(5):
-                for i, run in enumerate((lambda: [x @ wt for wt in fp32], lambda: [f(x) for f in fp16])):
+            for _ in range(5 if rows <= 64 else 3):
+                for i, run in enumerate((lambda: [x @ wt for wt in fp32[:n]], lambda: [f(x) for f in fp16[:n]])):
                     t0 = time.perf_counter()
                     run()
                     best[i] = min(best[i], time.perf_counter() - t0)
@@ -194,8 +197,8 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Mod
     if weight.device.type == "cpu" and fp16_exact(weight) and fp16_gemm_works():
         kernel = fp16_kernel()
         rows = fp16_gemm_rows(*weight.shape, torch.get_num_threads(), kernel)
-        if rows:
-            return Fp16WeightLinear(weight, bias, max_rows=rows, kernel=kernel)
+        if rows:         # won at every row count timed: every count (a prefill's, a wide verify's)
+            return Fp16WeightLinear(weight, bias, max_rows=None if rows >= ROWS[-1] else rows, kernel=kernel)
     return PackedLinear(_linear(weight, bias))
 
 
