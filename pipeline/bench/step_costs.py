@@ -13,13 +13,13 @@ and the ratios hold where the absolute times swing.
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.bench.repeat import run_order
 from pipeline.model.cache import Batch, KVCache
 from pipeline.spec_decode.sampling import argmax_last
 
@@ -47,13 +47,18 @@ def median_times(fns: dict, reps: int, device, stat=statistics.median, clock=tim
     """name -> median (or `stat`, e.g. min) seconds of fns[name](), interleaved over `reps`
     repetitions. `clock`: time.perf_counter (wall), or time.thread_time on a CPU run with one
     torch thread: the thread's own CPU time leaves out what other processes of a shared machine
-    took while it waited (but not what they do to its caches)."""
+    took while it waited (but not what they do to its caches).
+    Each repetition runs fns in a shuffled order (seeded by the repetition): a millisecond
+    function right after itself finds its weights in cache, and the palindromic `run_order`
+    gave that to the first and last fns in every other repetition, so of two identical engines
+    the one listed first read 5-8% faster steps (docs/decisions.md, stop 52)."""
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()                                   # warm-up (allocator, kernels)
     _sync(device)
+    names = list(fns)
     for rep in range(reps):
-        for name in run_order(list(fns), rep):
+        for name in random.Random(rep).sample(names, len(names)):
             t0 = clock()
             fns[name]()
             _sync(device)
