@@ -444,6 +444,48 @@ def _without_native(attn, x, batch, cache):
         attn.native = spy
 
 
+def test_the_target_runs_its_layers_as_one_c_call_with_the_same_bits(tmp_path, monkeypatch):
+    """Where every decoder layer is one C call, a step's forward runs them all as one
+    (native.decoder_stack): the same outputs and cache writes, bit for bit, as a call per
+    layer (rows in order or not, several tokens a row); with one layer's C path off, the
+    target goes back to a call per layer."""
+    from pipeline.demo.build import store_weights
+    from pipeline.model import native, packed
+    from pipeline.model.cache import Batch, KVCache
+    from pipeline.model.tiny import make_tiny_checkpoint
+    _kernel_or_skip("native")
+    monkeypatch.setattr(packed, "fp16_kernel", lambda: "native")
+    monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *shape: packed.ROWS[-1])   # any rows: C layers
+    path = make_tiny_checkpoint(tmp_path / "m", arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    store_weights(path, "bfloat16", log=lambda _: None)
+    engine = Engine.from_pretrained(str(path), device="cpu", max_batch_size=4)
+    target, cfg = engine.target, engine.config
+    assert target.native_stack() is not None
+    stacked = []
+    real = native.decoder_stack
+    monkeypatch.setattr(native, "decoder_stack", lambda *a: stacked.append(a[1].shape) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for n, q, rows in ((1, 1, None), (3, 4, [2, 0, 3])):
+            tokens = torch.randint(0, cfg.vocab_size, (n, q), generator=gen)
+            positions = torch.randint(3, 20, (n, 1), generator=gen) + torch.arange(q)
+            fresh = KVCache(cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+            fresh.k.normal_(generator=gen), fresh.v.normal_(generator=gen)
+            outs = []
+            for stack in (True, False):
+                cache = KVCache(cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+                cache.k.copy_(fresh.k), cache.v.copy_(fresh.v)
+                if not stack:
+                    target.native_stack = lambda: None                  # a C call per layer
+                batch = Batch.make(positions, rows=None if rows is None else torch.tensor(rows), kv_len=32)
+                outs.append((target(tokens, batch, cache), cache.k, cache.v))
+                target.__dict__.pop("native_stack", None)
+            assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert stacked == [(1, 1, cfg.hidden_size), (3, 4, cfg.hidden_size)]
+    target.model.layers[1].native_layer = None
+    assert target.native_stack() is None
+
+
 @pytest.mark.parametrize("qkv_bias,window", [(False, None), (True, 4)])
 def test_native_decoder_layer_is_the_modules_forward(qkv_bias, window, monkeypatch):
     """A packed, fused DecoderLayer as one C call (native.decoder_layer) against the same layer

@@ -140,6 +140,9 @@ def load(path: Path):
     lib.decoder_layer.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 8
                                   + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2
                                   + [ctypes.c_float, ctypes.c_void_p])
+    lib.decoder_stack.restype = ctypes.c_int
+    lib.decoder_stack.argtypes = ([ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_size_t]
+                                  + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3)
     lib.mtp_forward.restype = ctypes.c_int
     lib.mtp_forward.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 9
                                 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p])
@@ -308,6 +311,49 @@ def decoder_layer(native_layer: NativeLayer, x: torch.Tensor, positions: torch.T
         native_layer.window or 0, native_layer.scale, scratch.data_ptr())
     if status:
         raise MemoryError("decoder_layer: no memory for attention's scratch")
+    return y
+
+
+class NativeStack:
+    """A target's decoder layers as one C call (`decoder_stack`): their `NativeLayer`s (kept
+    alive), the array of their weights' pointers, each one's attention window and scale, the
+    most tokens all take and the largest scratch per token."""
+
+    def __init__(self, layers: list[NativeLayer]):
+        self.layers, self.lib, k = layers, layers[0].lib, len(layers)
+        self.refs = (ctypes.c_void_p * k)(*(ctypes.addressof(nl.weights) for nl in layers))
+        self.windows = (ctypes.c_int * k)(*(nl.window or 0 for nl in layers))
+        self.scales = (ctypes.c_float * k)(*(nl.scale for nl in layers))
+        caps = [nl.max_tokens for nl in layers if nl.max_tokens is not None]
+        self.max_tokens = min(caps) if caps else None
+        self.scratch = max(nl.scratch for nl in layers)
+
+
+def stack_weights(layers: list) -> NativeStack | None:
+    """The C form of decoder layers `layers` together (each's `native_layer`), or None where one
+    has none or they were built against different libraries."""
+    nls = [layer.native_layer for layer in layers]
+    if not nls or any(nl is None for nl in nls) or len({id(nl.lib) for nl in nls}) > 1:
+        return None
+    return NativeStack(nls)
+
+
+def decoder_stack(stack: NativeStack, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  valid: torch.Tensor | None) -> torch.Tensor:
+    """Every layer's DecoderLayer.block in one C call, as `decoder_layer` one after another: x [n,
+    q, hidden] float32 -> [n, q, hidden]; k_cache, v_cache: the whole cache's [layers, B, hk, T, d]
+    (contiguous); the other arguments as `attend`'s."""
+    n, q = positions.shape
+    y = x.contiguous().clone()
+    scratch = torch.empty(n * q * stack.scratch)
+    positions, rows, cos, sin, valid, stride = _attention_inputs(positions, rows, cos, sin, valid)
+    status = stack.lib.decoder_stack(
+        stack.refs, len(stack.layers), n, q, y.data_ptr(), cos.data_ptr(), sin.data_ptr(), _ptr(rows),
+        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.shape[3],
+        _ptr(valid), stride, stack.windows, stack.scales, scratch.data_ptr())
+    if status:
+        raise MemoryError("decoder_stack: no memory for attention's scratch")
     return y
 
 

@@ -8,7 +8,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
-from pipeline.model.layers import DecoderLayer, RMSNorm, fold_sin
+from pipeline.model import native
+from pipeline.model.layers import DecoderLayer, RMSNorm, fold_sin, native_step
 from pipeline.model.packed import cpu_linear, pack_linears_
 
 
@@ -34,6 +35,7 @@ class TargetModel(nn.Module):
         self._rope_cos: torch.Tensor | None = None  # [length, head_dim] rotary tables by position
         self._rope_sin: torch.Tensor | None = None
         self.rope_table = True                      # False: rotary per forward (benchmark baseline)
+        self._native_stack = None                   # the layers as one C call (`native_stack`)
 
     def pack_(self) -> None:
         """Inference on CPU: linears stored [in, out], the tied output head too (a transposed copy
@@ -81,9 +83,24 @@ class TargetModel(nn.Module):
         """tokens: [n, q] at `batch.positions`. Returns final-norm'ed hidden states [n, q, hidden]."""
         self.attach_rope(batch)
         x = self.embed(tokens)
-        for i, layer in enumerate(self.model.layers):
-            x = layer.block(x, batch, cache, i)
+        stack = self.native_stack()
+        if stack is not None and native_step(x, batch, cache, stack.max_tokens) and cache.k.is_contiguous():
+            x = native.decoder_stack(stack, x, batch.positions, None if batch.prefix else batch.rows, batch.cos,
+                                     batch.sin, cache.k, cache.v, batch.key_valid)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer.block(x, batch, cache, i)
         return self.model.norm.forward(x)
+
+    def native_stack(self) -> native.NativeStack | None:
+        """Every layer as one C call (native.decoder_stack) where each layer is one
+        (`DecoderLayer.native_layer`); rebuilt when those change (a benchmark or test may switch
+        a layer's off)."""
+        nls = [layer.native_layer for layer in self.model.layers]
+        held = self._native_stack
+        if held is None or len(held.layers) != len(nls) or any(a is not b for a, b in zip(held.layers, nls)):
+            self._native_stack = held = native.stack_weights(self.model.layers) if nls else None
+        return held
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal forward over whole sequences [B, T] from position 0, no cache (for training)."""
