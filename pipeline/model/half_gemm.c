@@ -156,7 +156,9 @@ static inline vm vbytes(const uint8_t *p, int n) {
 #endif
 
 #define PANEL 64          /* output columns per panel (pipeline/model/native.py packs them) */
-#define PREFETCH 16       /* panel rows (128 bytes each) read ahead */
+#define PREFETCH 64       /* panel rows (128 bytes each) read ahead: 8 KB, about what memory has in
+                             flight at its latency; a step at 1-2 rows 0.88-0.93x 16 rows' time
+                             on a Zen 4, no change from 4 rows (docs/decisions.md, stop 52) */
 
 /* Columns col0 + s .. col0 + s + nv VW of y for m <= RB rows, from panel p (its [k][64] weights)
  * at column offset s. m and nv are constants where this is inlined: no branches in the loop. */

@@ -142,9 +142,11 @@ def load(path: Path):
     lib.decoder_layer.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 8
                                   + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2
                                   + [ctypes.c_float, ctypes.c_void_p])
-    lib.decoder_stack.restype = ctypes.c_int
-    lib.decoder_stack.argtypes = ([ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7 + [ctypes.c_size_t]
-                                  + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3)
+    if hasattr(lib, "decoder_stack"):        # (an earlier commit's build, step_costs --compare-source, has none)
+        lib.decoder_stack.restype = ctypes.c_int
+        lib.decoder_stack.argtypes = ([ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7
+                                      + [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                                      + [ctypes.c_void_p] * 3)
     lib.mtp_forward.restype = ctypes.c_int
     lib.mtp_forward.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 9
                                 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p])
@@ -333,9 +335,11 @@ class NativeStack:
 
 def stack_weights(layers: list) -> NativeStack | None:
     """The C form of decoder layers `layers` together (each's `native_layer`), or None where one
-    has none or they were built against different libraries."""
+    has none, they were built against different libraries or the library has no `decoder_stack`."""
     nls = [layer.native_layer for layer in layers]
     if not nls or any(nl is None for nl in nls) or len({id(nl.lib) for nl in nls}) > 1:
+        return None
+    if not hasattr(nls[0].lib, "decoder_stack"):
         return None
     return NativeStack(nls)
 
