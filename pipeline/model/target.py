@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
-from pipeline.model import native
 from pipeline.model.layers import DecoderLayer, RMSNorm, fold_sin, native_step
 from pipeline.model.packed import cpu_linear, pack_linears_
 
