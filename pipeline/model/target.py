@@ -35,7 +35,7 @@ class TargetModel(nn.Module):
         self._rope_cos: torch.Tensor | None = None  # [length, head_dim] rotary tables by position
         self._rope_sin: torch.Tensor | None = None
         self.rope_table = True                      # False: rotary per forward (benchmark baseline)
-        self._native_stack = None                   # the layers as one C call (`native_stack`)
+        self._native_stack = (None, None)           # (the layers' native_layer, their stack): `native_stack`
 
     def pack_(self) -> None:
         """Inference on CPU: linears stored [in, out], the tied output head too (a transposed copy
@@ -97,10 +97,11 @@ class TargetModel(nn.Module):
         (`DecoderLayer.native_layer`); rebuilt when those change (a benchmark or test may switch
         a layer's off)."""
         nls = [layer.native_layer for layer in self.model.layers]
-        held = self._native_stack
-        if held is None or len(held.layers) != len(nls) or any(a is not b for a, b in zip(held.layers, nls)):
-            self._native_stack = held = native.stack_weights(self.model.layers) if nls else None
-        return held
+        built_from, stack = self._native_stack
+        if built_from is None or len(built_from) != len(nls) or any(a is not b for a, b in zip(built_from, nls)):
+            stack = native.stack_weights(self.model.layers)
+            self._native_stack = (nls, stack)     # None too: no stack is looked for again until they change
+        return stack
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal forward over whole sequences [B, T] from position 0, no cache (for training)."""
