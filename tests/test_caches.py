@@ -149,6 +149,50 @@ def test_plain_steps_are_filled_at_the_next_draft_and_a_full_backlog_leaves_a_ga
             assert not drafter.valid[1, slot, gap + 1] and drafter.valid[1, slot, gap + 2:last + 1].all()
 
 
+@torch.no_grad()
+def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path, monkeypatch):
+    """A step whose rows kept one token each hands the heads its column as it is
+    (Drafter.add_column): appended to the backlog by a plain step that follows, made a
+    PendingFill only where a draft or a moving or finishing row needs one. Over plain and
+    drafted steps, five rows of different budgets through three slots, the heads' caches,
+    masks, carries and backlog and every output equal those where each step builds its fill."""
+    from pipeline.engine.drafter import Drafter, PendingFill
+    path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
+    prompts = random_prompts([5, 9, 3, 7, 4], 128, seed=3)
+    budgets = [9, 14, 6, 11, 8]
+    schedule = [2, 0, 0, 1, 0, 0, 0, 3, 0, 2, 0, 0, 1, 1, 0, 0, 0, 2, 0, 0, 0, 0, 3, 0]
+
+    def run_all():
+        engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
+        rows = [Row(i, p, b, RequestOutput()) for i, (p, b) in enumerate(zip(prompts, budgets))]
+        run = GenerateRun(engine, rows, SamplingParams(max_new_tokens=max(budgets), ignore_eos=True), FixedGamma(3))
+        drafter = run.sources.get("mtp").drafter
+        seen = []
+        for i in range(200):
+            if not (run.queue or run.slots.n):
+                break
+            run.policy = FixedGamma(schedule[i % len(schedule)])
+            run._admit()
+            run._step()
+            seen.append((dict(drafter.backlog.tokens), drafter.column is not None))
+        return [r.tokens for r in rows], drafter, seen
+
+    tokens, lazy, seen = run_all()
+    assert any(held for _, held in seen) and any(t for t, _ in seen)     # columns held, backlogs appended
+
+    def at_once(self, n, start, hidden, next_ids):                          # the fill built at every step
+        self.add_pending(PendingFill(torch.arange(n), start, hidden[:, None], next_ids[:, None],
+                                     torch.ones_like(start), slots=list(range(n)), counts=[1] * n))
+    monkeypatch.setattr(Drafter, "add_column", at_once)
+    want, eager, seen_eager = run_all()
+    assert tokens == want
+    assert [t for t, _ in seen] == [t for t, _ in seen_eager]
+    for name in ("valid", "carry", "carry_ok", "gap"):
+        assert torch.equal(getattr(lazy, name), getattr(eager, name)), name
+    assert torch.equal(lazy.cache.k, eager.cache.k) and torch.equal(lazy.cache.v, eager.cache.v)
+    assert torch.equal(lazy.backlog.hidden, eager.backlog.hidden) and torch.equal(lazy.backlog.ids, eager.backlog.ids)
+
+
 def test_a_call_reusing_the_last_calls_caches_generates_what_a_fresh_engine_does(tmp_path):
     """Caches are kept between calls; whatever a slot held before is masked until overwritten."""
     path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)

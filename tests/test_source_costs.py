@@ -153,13 +153,18 @@ def test_the_engine_records_the_tokens_the_heads_filled(tmp_path, monkeypatch):
     from pipeline.engine.drafter import Drafter
     path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4, gamma_max=3)
-    widths, original = [], Drafter.add_pending
+    widths, original, original_column = [], Drafter.add_pending, Drafter.add_column
 
     def add_pending(self, fill):
         widths.append((fill.next_ids.shape[1], int(fill.count.max())))
         return original(self, fill)
 
+    def add_column(self, n, start, hidden, next_ids):       # a step whose rows kept one token each
+        widths.append((1, 1))
+        return original_column(self, n, start, hidden, next_ids)
+
     monkeypatch.setattr(Drafter, "add_pending", add_pending)
+    monkeypatch.setattr(Drafter, "add_column", add_column)
 
     class Schedule(FixedGamma):
         def __init__(self, gammas):

@@ -178,6 +178,33 @@ def test_policy_reuses_a_decision_only_while_rows_model_and_context_stay():
     assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) == 0
 
 
+def test_a_plain_decision_stands_without_its_moving_inputs_only_at_its_shape():
+    """`plain_stands` reuses the last priced gamma-0 decision before `choose` builds the inputs
+    that move from step to step (waiting fills, rows near their budget): at the same rows,
+    context bucket and model, within `recheck_plain_steps` counted with the memo's reuses; never
+    a speculative decision, and each standing step records the decision."""
+    prior = SpecStats()
+    prior.reached, prior.accepted = [1000] * GMAX, [800] * GMAX
+    current = {"model": ROOFLINE}
+    policy = GoodputPolicy(GMAX, lambda: current["model"], prior, recheck_steps=8, recheck_plain_steps=32)
+    assert not policy.plain_stands(300, 100)                    # nothing decided yet
+    assert policy.choose(StepContext(rows=300, context_len=100, stats=SpecStats())) == 0
+    stood = 0
+    while policy.plain_stands(300, 100):
+        stood += 1
+    assert stood == 31 and len(policy.decisions) == 32          # the decision, then 31 reuses: its 32 steps
+    assert len({id(d) for d in policy.decisions}) == 1
+    assert policy.choose(StepContext(rows=300, context_len=100, stats=SpecStats())) == 0   # decided afresh
+    assert len({id(d) for d in policy.decisions}) == 2
+    assert policy.plain_stands(300, 127) and not policy.plain_stands(300, 128)   # the context's bucket
+    assert not policy.plain_stands(299, 100)                                     # the rows
+    current["model"] = model(b=1e-4, draft=(1e-4, 1e-6, 1e-4, 1e-6))            # a refit
+    assert not policy.plain_stands(300, 100)
+    current["model"] = ROOFLINE
+    assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) > 0
+    assert not policy.plain_stands(2, 100)                      # speculation is re-priced by `choose`
+
+
 def test_policy_keeps_a_decision_per_shape_when_shapes_alternate():
     # rows switching sources make steps with and without a waiting heads' fill alternate: each
     # shape reuses its own decision rather than deciding afresh at every switch

@@ -186,17 +186,30 @@ class Backlog:
         it: one strided copy, no index tensors. A batch at gamma 0 whose rows were admitted
         or last drafted together is this case on every step (at 48 rows `add` took ~90 us
         through the general path, ~1.5% of a step; ~30 us here). False (nothing done) otherwise."""
-        col = self.tokens.get(slots[0], 0) if slots else self.size
-        if col >= self.size or any(c != 1 for c in counts) or any(self.tokens.get(s, 0) != col for s in slots):
+        if any(c != 1 for c in counts):
             return False
         r = len(slots)
         rows = slice(0, r) if slots == list(range(r)) else p.rows
-        self.hidden[rows, col] = p.hidden[:, 0]
-        self.ids[rows, col] = p.next_ids[:, 0]
+        return self.add_column(slots, rows, p.start, p.hidden[:, 0], p.next_ids[:, 0])
+
+    def add_column(self, slots, rows, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor) -> bool:
+        """Append one token to each of `slots` (host ints; `rows`: the same as an index, a slice
+        where they are 0..r-1) where all hold the same number of tokens, fewer than the size:
+        `hidden` [r, H] and `next_ids` [r] at positions `start` [r]. False (nothing done)
+        otherwise: the caller takes `add`'s general path."""
+        tokens = self.tokens
+        col = tokens.get(slots[0], 0) if len(slots) else self.size
+        if col >= self.size or any(tokens.get(s, 0) != col for s in slots):
+            return False
+        if self.hidden is None:
+            self.hidden = hidden.new_zeros(self.batch_size, self.size, hidden.shape[-1])
+            self.ids = next_ids.new_zeros(self.batch_size, self.size)
+        self.hidden[rows, col] = hidden
+        self.ids[rows, col] = next_ids
         if col == 0:
-            self.start[rows] = p.start
+            self.start[rows] = start
         for slot in slots:
-            self.tokens[slot] = col + 1
+            tokens[slot] = col + 1
         return True
 
     def drop(self, slots: list[int]) -> None:
@@ -253,6 +266,7 @@ class Drafter:
         self.carry = torch.zeros(k, batch_size, hidden_size, dtype=dtype, device=device)     # [K, B, H]
         self.carry_ok = torch.zeros(batch_size, dtype=torch.bool, device=device)            # [B]
         self.pending: list[PendingFill] = []     # the last verify step's accepted tokens (or a probe's)
+        self.column: tuple | None = None         # ... or, where rows 0..n-1 kept one each, (n, start, hidden, next_ids)
         self.prompts = PendingPrompts()            # prompts not yet run through the heads
         self.backlog = Backlog(batch_size, BACKLOG_TOKENS, device)   # gamma-0 steps' tokens, likewise
         self.held: set[int] = set()                # slots whose heads' cache may hold entries (host side)
@@ -273,6 +287,7 @@ class Drafter:
     def move_row(self, src: int, dst: int) -> None:
         """A row moves into a hole: its heads' cache only where it holds anything (a batch at
         gamma 0 throughout has nothing there to copy), its masks and waiting fills always."""
+        self._column_to_pending()
         if src in self.held:
             self.cache.move_row(src, dst)
             self.held.discard(src)
@@ -287,6 +302,7 @@ class Drafter:
         self.backlog.move(src, dst)
 
     def drop_rows(self, rows: torch.Tensor) -> None:
+        self._column_to_pending()
         slots = rows.tolist()                      # rows finish once each: a device read is fine here
         gone = set(slots)
         self.pending = [p.without(gone) for p in self.pending]
@@ -295,7 +311,25 @@ class Drafter:
             self.backlog.drop(slots)
 
     def add_pending(self, fill: PendingFill) -> None:
+        self._column_to_pending()
         self.pending.append(fill)
+
+    def add_column(self, n: int, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor) -> None:
+        """A verify step where rows 0..n-1 kept one token each (every plain step): `start` [n]
+        their positions, `hidden` [n, H], `next_ids` [n]. Held as it is: a plain step that
+        follows appends it to the backlog as one column copy (`discard_pending`), without the
+        PendingFill that a draft or a moving row makes of it (`_column_to_pending`). That fill
+        and its append were ~80 us of host time a plain step at 32 rows (docs/decisions.md, stop 53)."""
+        self._column_to_pending()
+        self.column = (n, start, hidden, next_ids)
+
+    def _column_to_pending(self) -> None:
+        if self.column is not None:
+            n, start, hidden, next_ids = self.column
+            self.column = None
+            self.pending.append(PendingFill(torch.arange(n, device=start.device), start, hidden[:, None],
+                                            next_ids[:, None], torch.ones_like(start),
+                                            slots=list(range(n)), counts=[1] * n))
 
     def add_prompt(self, fill: PendingFill, slots: list[int], lengths: list[int]) -> None:
         """A prompt's fill (from_zero), run at its rows' first drafted step (module docstring)."""
@@ -305,6 +339,12 @@ class Drafter:
         """A gamma-0 step skips the heads: the last step's accepted tokens join their rows'
         backlog, filled at the next draft (module docstring). Where a backlog overflows, its
         older tokens are a masked gap: no carry crosses it, nor one from a waiting prompt (`gap`)."""
+        if self.column is not None and not self.pending:
+            n, start, hidden, next_ids = self.column
+            if self.backlog.add_column(range(n), slice(0, n), start, hidden, next_ids):
+                self.column = None
+                return
+        self._column_to_pending()
         for p in self.pending:
             if p.rows.numel():
                 over = self.backlog.add(p)
@@ -321,6 +361,7 @@ class Drafter:
         `pick(logits [n, V], depth) -> (tokens [n], probs [n, V] or None)` samples a draft (over the
         heads' draft vocabulary, [n, Vd], where they have one; mapped back to V here).
         Returns (drafts [n, gamma], draft_probs [n, gamma, V] or None)."""
+        self._column_to_pending()
         first_out = torch.empty(n, self.carry.shape[-1], dtype=self.carry.dtype, device=self.carry.device)
         if self.prompts or self.backlog:   # in position order: prompts, skipped steps, the last step
             t0 = self._clock()

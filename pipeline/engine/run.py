@@ -170,10 +170,14 @@ class GenerateRun:
         t_choose = time.perf_counter()
         lengths = s.lengths[:n]                     # unchanged until s.advance below
         ctx = float(lengths.max())                  # every row attends to the longest row's cache
-        per_token_left, fills = self._waiting_fills()
-        gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
-                                                   rows_apart=self._rows_apart(n), waiting_fill_s=per_token_left,
-                                                   waiting_fill_total_s=fills)), self.mtp_cap)
+        stands = getattr(self.policy, "plain_stands", None)
+        if stands is not None and stands(n, ctx):        # gamma 0 as last step, its inputs unread
+            gamma = 0
+        else:
+            per_token_left, fills = self._waiting_fills()
+            gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
+                                                       rows_apart=self._rows_apart(n), waiting_fill_s=per_token_left,
+                                                       waiting_fill_total_s=fills)), self.mtp_cap)
         t0 = time.perf_counter()
         keys = s.keys[:n]
         pick = GREEDY_PICK if self.params.greedy else lambda lg, d: self._pick_draft(lg, keys, lengths + d)  # noqa: E731

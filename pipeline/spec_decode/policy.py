@@ -188,6 +188,7 @@ class GoodputPolicy:
     _memo: dict = field(default_factory=dict, repr=False)       # step shape -> (decision, steps it ran)
     _memo_model: int | None = field(default=None, repr=False)   # id of the cost model the memo priced by
     _remeasures: dict = field(default_factory=dict, repr=False)  # bucket -> steps of a re-measure this policy runs
+    _plain: tuple | None = field(default=None, repr=False)     # (rows, bucket, model id, memo key): a standing gamma 0
 
     def max_gamma(self) -> int:
         return self.gamma_max
@@ -202,6 +203,7 @@ class GoodputPolicy:
         if hit is not None and hit[1] < (self.recheck_steps if hit[0].gamma else self.recheck_plain_steps):
             self._memo[key] = (hit[0], hit[1] + 1)
             self.decisions.append(hit[0])
+            self._plain = (ctx.rows, key[1], id(model), key) if hit[0].gamma == 0 else None
             return hit[0].gamma
         gamma = self._decide(ctx, model)
         d = self.decisions[-1]
@@ -209,7 +211,27 @@ class GoodputPolicy:
             self._memo[key] = (d, 1)
         else:                              # not while measuring or exploring: each such step's evidence may end it
             self._memo.pop(key, None)
+        self._plain = (ctx.rows, key[1], id(model), key) if key in self._memo and gamma == 0 else None
         return gamma
+
+    def plain_stands(self, rows: int, context_len: float) -> bool:
+        """Whether the last step's priced gamma-0 decision stands for this step too, asked before
+        `choose` and without its inputs that move from step to step at one shape: the heads'
+        waiting fills grow by a token a row each plain step, and rows come within reach of their
+        budget; both only make speculating dearer or its gain smaller, so neither turns plain
+        decoding into speculation. Same rows, context bucket and cost model; it counts as a
+        reuse of the memo's decision (`recheck_plain_steps`), and the step's decision is it.
+        Building those inputs and pricing was ~0.1 ms of host time a step at 32 rows, about 1%
+        of a plain step there (docs/decisions.md, stop 53)."""
+        p = self._plain
+        if p is None or p[0] != rows or p[1] != int(context_len) // 64 or p[2] != id(self.cost()):
+            return False
+        hit = self._memo.get(p[3])
+        if hit is None or hit[1] >= self.recheck_plain_steps:
+            return False
+        self._memo[p[3]] = (hit[0], hit[1] + 1)
+        self.decisions.append(hit[0])
+        return True
 
     def _decide(self, ctx: StepContext, model: CostModel | None) -> int:
         reached, accepted = _add(self.prior.reached, ctx.stats.reached), _add(self.prior.accepted, ctx.stats.accepted)

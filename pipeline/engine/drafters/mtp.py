@@ -68,6 +68,9 @@ class MTPSource:
         positions past that are masked anyway, and a padded verify of 8-wide n-gram drafts whose
         rows kept at most 3 would otherwise be filled 9 wide. `accepted`: num_accepted on the host."""
         w = max(accepted) + 1 if n else 0
+        if w == 1:                                   # one token a row (every plain step): no fill built yet
+            self.drafter.add_column(n, lengths.clone(), hidden[:, 0], emitted[:, 0])
+            return
         self.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
                                              hidden[:, :w], emitted[:, :w], num_accepted + 1,
                                              slots=list(range(n)), counts=[a + 1 for a in accepted]))
