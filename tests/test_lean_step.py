@@ -486,6 +486,50 @@ def test_the_target_runs_its_layers_as_one_c_call_with_the_same_bits(tmp_path, m
     assert target.native_stack() is None
 
 
+@pytest.mark.parametrize("arch,window", [("llama", None), ("mistral", 5)])
+def test_a_prefill_runs_through_the_c_layers_in_pieces_as_the_modules_do(tmp_path, monkeypatch, arch, window):
+    """A prefill from position 0 takes the C stack in pieces (TargetModel._prefill_pieces): a
+    few positions of a few rows a call, each row's pieces in order, a piece attending to what
+    its earlier ones cached. Its hidden states and cache writes are those of the layers' modules
+    up to float32 rounding, with padded rows, rows out of slot order and sliding windows."""
+    import json
+    from pipeline.demo.build import store_weights
+    from pipeline.model import native, packed
+    from pipeline.model import target as target_module
+    from pipeline.model.cache import Batch, KVCache
+    from pipeline.model.tiny import make_tiny_checkpoint
+    _kernel_or_skip("native")
+    monkeypatch.setattr(packed, "fp16_kernel", lambda: "native")
+    monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *shape: packed.ROWS[-1])   # any rows: C layers
+    monkeypatch.setattr(target_module, "PREFILL_PIECE", 4)
+    monkeypatch.setattr(target_module, "PREFILL_TOKENS", 8)       # 4 positions of 2 rows a call
+    path = make_tiny_checkpoint(tmp_path / "m", arch=arch, num_mtp_layers=1, with_tokenizer=False)
+    if window:
+        cfg_file = path / "config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "sliding_window": window}))
+    store_weights(path, "bfloat16", log=lambda _: None)
+    engine = Engine.from_pretrained(str(path), device="cpu", max_batch_size=4)
+    target, cfg = engine.target, engine.config
+    assert target.native_stack() is not None
+    calls = []
+    real = native.decoder_stack
+    monkeypatch.setattr(native, "decoder_stack", lambda *a: calls.append(tuple(a[1].shape[:2])) or real(*a))
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 10), generator=gen)
+    tokens[1, 6:] = 0                                               # a shorter prompt, padded
+    with torch.inference_mode():
+        outs = []
+        for native_prefill in (True, False):
+            if not native_prefill:
+                monkeypatch.setattr(target_module.TargetModel, "_native_prefill", staticmethod(lambda *a: False))
+            cache = KVCache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+            hidden = target(tokens, Batch.from_start(3, 10, "cpu", rows=torch.tensor([3, 0, 2])), cache)
+            outs.append((hidden, cache.k[:, [3, 0, 2], :, :10], cache.v[:, [3, 0, 2], :, :10]))
+    assert calls == [(2, 4), (2, 4), (2, 2), (1, 4), (1, 4), (1, 2)]     # two rows, then one, in pieces
+    for c, t in zip(*outs):
+        assert torch.allclose(c, t, rtol=1e-4, atol=1e-5), (c - t).abs().max()
+
+
 @pytest.mark.parametrize("qkv_bias,window", [(False, None), (True, 4)])
 def test_native_decoder_layer_is_the_modules_forward(qkv_bias, window, monkeypatch):
     """A packed, fused DecoderLayer as one C call (native.decoder_layer) against the same layer

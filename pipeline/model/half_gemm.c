@@ -316,6 +316,13 @@ static inline int64_t first_key(int64_t p, int window) {
     return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
+/* of a row's `keys` keys from position `first`, how many a query at position p may see: those up
+ * to p (a prefill's queries see a growing prefix; computing past it was half their attention) */
+static inline int upto(int keys, int64_t first, int64_t p) {
+    int64_t k = p - first + 1;
+    return k < 0 ? 0 : k > keys ? keys : (int)k;
+}
+
 /* the keys row i's queries see: [first, last] */
 static inline void row_span(int q, const int64_t *pos, int window, int64_t *first, int64_t *last) {
     *first = INT64_MAX, *last = 0;
@@ -366,7 +373,8 @@ static void (*const PV[QB + 1])(int, int, int, vm, const float *, int, const flo
  * How: per row and kv head, the queries of its q tokens and its group of query heads each score
  * a block of VW keys at once (`qk_rows`), share each value vector read, and the next row and kv
  * head's keys and values are fetched meanwhile (prefetch_rows); scores, softmax and the weighted sum
- * of values run VW lanes wide.
+ * of values run VW lanes wide, and skip the key blocks past each query (a prefill's queries see a
+ * growing prefix: pipeline/model/target.py runs one in pieces through decoder_stack).
  *
  * qkv: [n, q, hq + 2 hk, d] (q heads, k heads, v heads); cos, sin: [n, q, d];
  * rows: [n] cache rows (NULL: row i); pos: [n, q]; kc, vc: the layer's [B, hk, cap, d];
@@ -438,6 +446,10 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
                     prefetch_rows(NV, from, to, d);
                 }
                 for (int b = 0; b < nq; b++) {
+                    if (first + j0 > hi[b]) {              /* keys past the query: none visible */
+                        vstore(w + (size_t)b * width + j0, vset(-INFINITY));
+                        continue;
+                    }
                     vf sc = qk_rows(d, in, qs + (size_t)b * d, K + (size_t)(first + j0) * d);
                     vi ph = iset((int)hi[b]);
                     vm m = vm_and(vm_and(vm_or(seen, ieq(jv, ph)), ile(jv, ph)), vm_and(ige(jv, iset((int)lo[b])), km));
@@ -446,27 +458,34 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
             }
             for (int b = 0; b < nq; b++) {                 /* softmax of each query's scores */
                 float *wb = w + (size_t)b * width;
+                int kb = upto(keys, first, hi[b]);
                 vf mx = vset(-INFINITY);
-                for (int j0 = 0; j0 < keys; j0 += VW)
-                    mx = vsel(vfirst(keys - j0), vmax(mx, vload(wb + j0)), mx);
+                for (int j0 = 0; j0 < kb; j0 += VW)
+                    mx = vsel(vfirst(kb - j0), vmax(mx, vload(wb + j0)), mx);
                 vf m = vset(vhmax(mx)), sum = vzero();
-                for (int j0 = 0; j0 < keys; j0 += VW) {
+                for (int j0 = 0; j0 < kb; j0 += VW) {
                     vf x = vload(wb + j0);
-                    vm live = vm_and(vneq(x, vset(-INFINITY)), vfirst(keys - j0));
+                    vm live = vm_and(vneq(x, vset(-INFINITY)), vfirst(kb - j0));
                     vf e = vsel(live, vexp(vmax(vsub(x, m), vset(-87.0f))), vzero());
                     vstore(wb + j0, e);
                     sum = vadd(sum, e);
                 }
                 float inv = 1.0f / vsum(sum);
-                for (int j0 = 0; j0 < keys; j0 += VW)
+                for (int j0 = 0; j0 < kb; j0 += VW)
                     vstore(wb + j0, vmul(vload(wb + j0), vset(inv)));
+                for (int j0 = (kb + VW - 1) / VW * VW; j0 < keys; j0 += VW)
+                    vstore(wb + j0, vzero());             /* past the query: weight 0 where a block reads it */
             }
             const float *Vf = V + (size_t)first * d;
             for (int b0 = 0; b0 < nq; b0 += QB) {          /* the weighted sums of values */
-                int nb = nq - b0 < QB ? nq - b0 : QB;
+                int nb = nq - b0 < QB ? nq - b0 : QB, kb = 0;
+                for (int b = b0; b < b0 + nb; b++) {       /* the keys the block's queries see */
+                    int u = upto(keys, first, hi[b]);
+                    kb = u > kb ? u : kb;
+                }
                 float tmp[QB * d];
                 for (int u = 0; u < d; u += VW)
-                    PV[nb](keys, d, u, vfirst(d - u), w + (size_t)b0 * width, width, Vf, tmp);
+                    PV[nb](kb, d, u, vfirst(d - u), w + (size_t)b0 * width, width, Vf, tmp);
                 for (int b = 0; b < nb; b++) {
                     int t = (b0 + b) / group, hh = (b0 + b) % group;
                     memcpy(out + (((size_t)i * q + t) * hq + g * group + hh) * d, tmp + (size_t)b * d, sizeof(float) * d);

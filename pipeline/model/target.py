@@ -9,8 +9,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
-from pipeline.model.layers import DecoderLayer, RMSNorm, fold_sin, native_step
+from pipeline.model.layers import DecoderLayer, RMSNorm, fold_sin, native_step, native_tokens
 from pipeline.model.packed import cpu_linear, pack_linears_
+
+
+PREFILL_TOKENS = 512      # a prefill's tokens per C call of the layers (rows of one admission group) ...
+PREFILL_PIECE = 128       # ... of at most this many positions a row
+PREFILL_MAX = 768         # prompts up to this many tokens: past it torch's attention (SDPA) gains on the C one
 
 
 class _Body(nn.Module):
@@ -87,10 +92,40 @@ class TargetModel(nn.Module):
         if stack is not None and native_step(x, batch, cache, stack.max_tokens) and cache.k.is_contiguous():
             x = native.decoder_stack(stack, x, batch.positions, None if batch.prefix else batch.rows, batch.cos,
                                      batch.sin, cache.k, cache.v, batch.key_valid)
+        elif stack is not None and self._native_prefill(x, batch, cache, stack):
+            x = self._prefill_pieces(stack, x, batch, cache)
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer.block(x, batch, cache, i)
         return self.model.norm.forward(x)
+
+    @staticmethod
+    def _native_prefill(x: torch.Tensor, batch: Batch, cache: KVCache | None, stack: native.NativeStack) -> bool:
+        """A prefill from position 0 that the C stack takes in pieces (`_prefill_pieces`): float32,
+        cached, no gradient, at most PREFILL_MAX positions (at 750 a prompt it took 0.99x torch's time)."""
+        return (batch.from_zero and batch.key_valid is None and x.shape[1] <= PREFILL_MAX
+                and native_tokens(x[:1, :1], cache, stack.max_tokens) and cache.k.is_contiguous())
+
+    @staticmethod
+    def _prefill_pieces(stack: native.NativeStack, x: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """The layers over a prefill as C calls of PREFILL_PIECE positions of as many rows as fit
+        PREFILL_TOKENS tokens, each row's pieces in order: a piece attends to the keys its
+        earlier pieces cached, as a verify step does, and its queries' scores stay in L2 (a
+        484-token prompt in one call was slower than torch's modules). Attention skips the keys
+        past each query, and the small ops (norms, RoPE, cache writes, SiLU) are no torch calls:
+        a 32-row prefill of the demo's prompts took 0.82-0.89x torch's modules' time at 18-460
+        tokens a prompt (docs/decisions.md, stop 53)."""
+        n, q = x.shape[:2]
+        piece = min(q, PREFILL_PIECE)
+        per = max(PREFILL_TOKENS // piece, 1)
+        out = torch.empty_like(x)
+        for r in range(0, n, per):
+            e = min(r + per, n)
+            for s in range(0, q, piece):
+                t = min(s + piece, q)
+                out[r:e, s:t] = native.decoder_stack(stack, x[r:e, s:t], batch.positions[r:e, s:t], batch.rows[r:e],
+                                                     batch.cos[r:e, s:t], batch.sin[r:e, s:t], cache.k, cache.v, None)
+        return out
 
     def native_stack(self) -> native.NativeStack | None:
         """Every layer as one C call (native.decoder_stack) where each layer is one
