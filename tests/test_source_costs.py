@@ -184,3 +184,31 @@ def test_the_engine_records_the_tokens_the_heads_filled(tmp_path, monkeypatch):
     assert s[2].fill_tokens == -1                        # no heads
     assert s[3].fill_tokens == s[2].rows                 # a plain step's one token a row
     assert s[4].fill_tokens == s[3].rows * widths[3][0]
+
+
+def test_a_standing_plain_decision_is_asked_only_where_no_row_was_admitted_since(tmp_path):
+    """The run loop asks `plain_stands` before building the policy's inputs, except on the
+    first step after rows are admitted: a fresh row has its budget ahead of it, which a plain
+    decision made near another row's end did not price. Batch 1, three prompts: `choose` runs
+    once per admitted row, `plain_stands` on every other step."""
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=1, gamma_max=3)
+
+    class Standing(FixedGamma):
+        def __init__(self):
+            super().__init__(3)
+            object.__setattr__(self, "asked", [])
+
+        def choose(self, ctx):
+            self.asked.append("choose")
+            return 0
+
+        def plain_stands(self, rows, context_len):
+            self.asked.append("stands")
+            return True
+
+    policy = Standing()
+    engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], SamplingParams(max_new_tokens=5, ignore_eos=True),
+                    gamma=policy, draft="mtp")
+    steps = len(engine.last_stats.steps)
+    assert steps == 12 and policy.asked == ["choose", "stands", "stands", "stands"] * 3

@@ -112,6 +112,7 @@ class GenerateRun:
                         else deque(maxlen=OUTPUT_LENGTHS))
         self.slots = Slots(batch, engine.device, self.sources, self.cache)
         self.queue = deque(rows)
+        self.admitted = False         # rows were admitted since the policy last chose (GoodputPolicy.plain_stands)
         self.eos = frozenset(cfg.eos_token_ids)
         self.stats = engine.last_stats
         # its steps count towards cost-model refits: the gamma policy or the per-row choice prices by it
@@ -151,6 +152,7 @@ class GenerateRun:
         keys = torch.tensor([r.key for r in rows], device=dev)
         first = self._sample_target(self.e.target.logits(hidden[idx, lens - 1]), keys, lens)
         self.slots.place(slot_ids, rows, lens, first)
+        self.admitted = True
         for source in self.sources or ():
             source.after_prefill(slots, hidden, ids, lens, first)
         for r, tok in zip(rows, first.tolist()):
@@ -171,9 +173,10 @@ class GenerateRun:
         lengths = s.lengths[:n]                     # unchanged until s.advance below
         ctx = float(lengths.max())                  # every row attends to the longest row's cache
         stands = getattr(self.policy, "plain_stands", None)
-        if stands is not None and stands(n, ctx):        # gamma 0 as last step, its inputs unread
+        if stands is not None and not self.admitted and stands(n, ctx):   # gamma 0 as last step, its inputs unread
             gamma = 0
         else:
+            self.admitted = False         # rows admitted since (a budget ahead of them) are priced here
             per_token_left, fills = self._waiting_fills()
             gamma = min(self.policy.choose(StepContext(rows=n, context_len=ctx, stats=self.stats,
                                                        rows_apart=self._rows_apart(n), waiting_fill_s=per_token_left,

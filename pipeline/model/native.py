@@ -20,8 +20,9 @@ the tests run both where the CPU has AVX-512).
 runs 25 of them (docs/decisions.md, stop 49). `attend` is one call for a layer's RoPE, cache
 write, mask and attention, ~15 torch ops: a demo step at batch 1 went from 4.4 to 2.8 ms with it
 (docs/decisions.md, stop 50). `decoder_layer` is a whole layer, `decoder_stack` every layer of a
-step (a call per layer cost ~10 us of Python each), and the MTP heads' forward, fill and greedy
-drafting are calls of their own.
+step (a call per layer cost ~10 us of Python each) and of a prefill, a few rows and positions a
+call (pipeline/model/target.py), and the MTP heads' forward, fill and greedy drafting are calls
+of their own.
 
 Example: w [n, k] float32 that float16 holds; packed = pack(w); y = linear(x, packed, None, n)
 equals x @ w.T up to float32 rounding.

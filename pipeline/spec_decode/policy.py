@@ -219,8 +219,10 @@ class GoodputPolicy:
         `choose` and without its inputs that move from step to step at one shape: the heads'
         waiting fills grow by a token a row each plain step, and rows come within reach of their
         budget; both only make speculating dearer or its gain smaller, so neither turns plain
-        decoding into speculation. Same rows, context bucket and cost model; it counts as a
-        reuse of the memo's decision (`recheck_plain_steps`), and the step's decision is it.
+        decoding into speculation. Not so a row admitted meanwhile, with its budget ahead of it:
+        the caller asks only where none was (pipeline.engine.run). Same rows, context bucket and
+        cost model; it counts as a reuse of the memo's decision (`recheck_plain_steps`), and the
+        step's decision is it.
         Building those inputs and pricing was ~0.1 ms of host time a step at 32 rows, about 1%
         of a plain step there (docs/decisions.md, stop 53)."""
         p = self._plain
