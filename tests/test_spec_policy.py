@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection, fit_cost_model
-from pipeline.spec_decode.policy import (ROW_PRIOR, GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
+from pipeline.spec_decode.policy import (ROW_PRIOR, Decision, GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
                                   expected_tokens, row_acceptance, upper_acceptance)
 from pipeline.spec_decode.stats import SpecStats, StepRecord
 
@@ -203,6 +203,13 @@ def test_a_plain_decision_stands_without_its_moving_inputs_only_at_its_shape():
     current["model"] = ROOFLINE
     assert policy.choose(StepContext(rows=2, context_len=100, stats=SpecStats())) > 0
     assert not policy.plain_stands(2, 100)                      # speculation is re-priced by `choose`
+    # only a clear plain decision stands: one every speculative gamma loses by more than min_gain
+    near = Decision(0, "gamma 1 within the margin", [0, 1, 2], [1000.0, 1030.0, 990.0], [0.6, 0.5])
+    clear = Decision(0, "no gamma beats plain decoding", [0, 1, 2], [1000.0, 940.0, 900.0], [0.6, 0.5])
+    assert not policy._clearly_plain(near) and policy._clearly_plain(clear)
+    policy._decide = lambda ctx, m: policy._record(near)
+    assert policy.choose(StepContext(rows=4, context_len=100, stats=SpecStats())) == 0
+    assert not policy.plain_stands(4, 100)
 
 
 def test_policy_keeps_a_decision_per_shape_when_shapes_alternate():

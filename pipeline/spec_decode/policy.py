@@ -203,7 +203,7 @@ class GoodputPolicy:
         if hit is not None and hit[1] < (self.recheck_steps if hit[0].gamma else self.recheck_plain_steps):
             self._memo[key] = (hit[0], hit[1] + 1)
             self.decisions.append(hit[0])
-            self._plain = (ctx.rows, key[1], id(model), key) if hit[0].gamma == 0 else None
+            self._plain = (ctx.rows, key[1], id(model), key) if self._clearly_plain(hit[0]) else None
             return hit[0].gamma
         gamma = self._decide(ctx, model)
         d = self.decisions[-1]
@@ -211,20 +211,29 @@ class GoodputPolicy:
             self._memo[key] = (d, 1)
         else:                              # not while measuring or exploring: each such step's evidence may end it
             self._memo.pop(key, None)
-        self._plain = (ctx.rows, key[1], id(model), key) if key in self._memo and gamma == 0 else None
+        self._plain = (ctx.rows, key[1], id(model), key) if key in self._memo and self._clearly_plain(d) else None
         return gamma
 
+    def _clearly_plain(self, d: Decision) -> bool:
+        """A gamma-0 decision every speculative gamma is predicted to lose by more than `min_gain`:
+        one that may stand unpriced (`plain_stands`). A near tie is priced at every step as the
+        memo has it: at batch 1 the model's few percent of error decide it, and standing held
+        plain decoding for 32 steps at a time where speculation measured 1.3x (docs/decisions.md,
+        stop 53)."""
+        gp = d.predicted_goodput
+        return d.gamma == 0 and len(gp) > 1 and max(gp[1:]) * (1 + self.min_gain) < gp[0]
+
     def plain_stands(self, rows: int, context_len: float) -> bool:
-        """Whether the last step's priced gamma-0 decision stands for this step too, asked before
-        `choose` and without its inputs that move from step to step at one shape: the heads'
-        waiting fills grow by a token a row each plain step, and rows come within reach of their
-        budget; both only make speculating dearer or its gain smaller, so neither turns plain
-        decoding into speculation. Not so a row admitted meanwhile, with its budget ahead of it:
-        the caller asks only where none was (pipeline.engine.run). Same rows, context bucket and
-        cost model; it counts as a reuse of the memo's decision (`recheck_plain_steps`), and the
-        step's decision is it.
-        Building those inputs and pricing was ~0.1 ms of host time a step at 32 rows, about 1%
-        of a plain step there (docs/decisions.md, stop 53)."""
+        """Whether the last step's gamma-0 decision, a clear one (`_clearly_plain`), stands for
+        this step too, asked before `choose` and without its inputs that move from step to step
+        at one shape: the heads' waiting fills grow by a token a row each plain step, and rows
+        come within reach of their budget; both only make speculating dearer or its gain
+        smaller, so neither turns plain decoding into speculation. Not so a row admitted
+        meanwhile, with its budget ahead of it: the caller asks only where none was
+        (pipeline.engine.run). Same rows, context bucket and cost model; it counts as a reuse
+        of the memo's decision (`recheck_plain_steps`), and the step's decision is it. Building
+        those inputs and pricing was ~0.1 ms of host time a step at 32 rows, about 1% of a
+        plain step there (docs/decisions.md, stop 53)."""
         p = self._plain
         if p is None or p[0] != rows or p[1] != int(context_len) // 64 or p[2] != id(self.cost()):
             return False
