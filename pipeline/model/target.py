@@ -89,7 +89,9 @@ class TargetModel(nn.Module):
         self.attach_rope(batch)
         x = self.embed(tokens)
         stack = self.native_stack()
-        if stack is not None and native_step(x, batch, cache, stack.max_tokens) and cache.k.is_contiguous():
+        if cache is None or not cache.k.is_contiguous():
+            stack = None                                # the C stack reads the whole cache's layout
+        if stack is not None and native_step(x, batch, cache, stack.max_tokens):
             x = native.decoder_stack(stack, x, batch.positions, None if batch.prefix else batch.rows, batch.cos,
                                      batch.sin, cache.k, cache.v, batch.key_valid)
         elif stack is not None and self._native_prefill(x, batch, cache, stack):
@@ -104,7 +106,7 @@ class TargetModel(nn.Module):
         """A prefill from position 0 that the C stack takes in pieces (`_prefill_pieces`): float32,
         cached, no gradient, at most PREFILL_MAX positions (at 750 a prompt it took 0.99x torch's time)."""
         return (batch.from_zero and batch.key_valid is None and x.shape[1] <= PREFILL_MAX
-                and native_tokens(x[:1, :1], cache, stack.max_tokens) and cache.k.is_contiguous())
+                and native_tokens(x[:1, :1], cache, stack.max_tokens))
 
     @staticmethod
     def _prefill_pieces(stack: native.NativeStack, x: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:

@@ -199,12 +199,10 @@ class GoodputPolicy:
         key = (ctx.rows, int(ctx.context_len) // 64, ctx.rows_apart, waiting)
         if self._memo_model != id(model) or len(self._memo) >= MEMO_KEYS:
             self._memo, self._memo_model = {}, id(model)     # a refit prices every shape anew
-        hit = self._memo.get(key)
-        if hit is not None and hit[1] < (self.recheck_steps if hit[0].gamma else self.recheck_plain_steps):
-            self._memo[key] = (hit[0], hit[1] + 1)
-            self.decisions.append(hit[0])
-            self._plain = (ctx.rows, key[1], id(model), key) if self._clearly_plain(hit[0]) else None
-            return hit[0].gamma
+        hit = self._reuse(key)
+        if hit is not None:
+            self._plain = (ctx.rows, key[1], id(model), key) if self._clearly_plain(hit) else None
+            return hit.gamma
         gamma = self._decide(ctx, model)
         d = self.decisions[-1]
         if d.predicted_goodput and not (d.measuring or d.exploring):
@@ -237,12 +235,17 @@ class GoodputPolicy:
         p = self._plain
         if p is None or p[0] != rows or p[1] != int(context_len) // 64 or p[2] != id(self.cost()):
             return False
-        hit = self._memo.get(p[3])
-        if hit is None or hit[1] >= self.recheck_plain_steps:
-            return False
-        self._memo[p[3]] = (hit[0], hit[1] + 1)
+        return self._reuse(p[3]) is not None
+
+    def _reuse(self, key: tuple) -> Decision | None:
+        """The memo's decision at `key` once more, where it has not stood for its `recheck_steps`
+        (`recheck_plain_steps` at gamma 0) yet: counted, and recorded as this step's; else None."""
+        hit = self._memo.get(key)
+        if hit is None or hit[1] >= (self.recheck_steps if hit[0].gamma else self.recheck_plain_steps):
+            return None
+        self._memo[key] = (hit[0], hit[1] + 1)
         self.decisions.append(hit[0])
-        return True
+        return hit[0]
 
     def _decide(self, ctx: StepContext, model: CostModel | None) -> int:
         reached, accepted = _add(self.prior.reached, ctx.stats.reached), _add(self.prior.accepted, ctx.stats.accepted)
