@@ -208,18 +208,115 @@ def test_without_the_native_kernel_the_fp16_linears_take_fbgemm(monkeypatch):
         native.library.cache_clear()
 
 
-def test_the_native_kernel_is_taken_on_one_torch_thread_only():
-    """half_gemm is single-threaded: with more torch threads the linears keep FBGEMM's GEMM."""
-    from pipeline.model import native, packed
+def test_the_native_kernel_is_taken_at_any_torch_thread_count():
+    """The engine runs half_gemm on torch's thread count (native.cpu_threads), so the linears
+    take it on one thread or several."""
+    from pipeline.model import packed
     _kernel_or_skip("native")
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert packed.fp16_kernel() == "native"
-        torch.set_num_threads(2)
-        assert packed.fp16_kernel() == "fbgemm"
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert packed.fp16_kernel() == "native"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_cpu_threads_gives_the_c_kernels_torchs_threads_and_torch_one():
+    """Inside the engine's context torch's own ops run on one thread and the C kernels on the
+    count torch had; a nested context changes nothing; on exit torch has its count back."""
+    from pipeline.model import native
+    _kernel_or_skip("native")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with native.cpu_threads():
+            assert (torch.get_num_threads(), native.pool_threads(), native.thread_count()) == (1, 3, 3)
+            with native.cpu_threads():
+                assert (torch.get_num_threads(), native.pool_threads()) == (1, 3)
+            assert native.pool_threads() == 3
+        assert (torch.get_num_threads(), native.pool_threads(), native.thread_count()) == (3, 1, 3)
+        torch.set_num_threads(1)
+        with native.cpu_threads():
+            assert (torch.get_num_threads(), native.pool_threads()) == (1, 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Pool:
+    """`lib`'s thread pool at `threads` while held (half_gemm.c set_threads), one thread after."""
+
+    def __init__(self, lib, threads):
+        self.lib, self.threads = lib, threads
+
+    def __enter__(self):
+        assert self.lib.set_threads(self.threads) == self.threads
+        return self
+
+    def __exit__(self, *exc):
+        self.lib.set_threads(1)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_c_kernels_give_one_threads_bits_on_several(threads, kernels):
+    """half_gemm split by output panels and attention by (row, kv head) over a pool of threads:
+    the same bits as on one thread, at panel edges, rows past a pass, cache rows out of order and
+    a packed verify's rows that share a cache row (each token attends the one before it)."""
+    from pipeline.model import native
+    from pipeline.model.layers import fold_sin
+    gen = torch.Generator().manual_seed(threads)
+    for m, k, n in [(1, 256, 1536), (3, 768, 256), (9, 256, 1000), (20, 64, 6144)]:
+        w = torch.randn(n, k, generator=gen).half().float()
+        packed, x = native.pack(w), torch.randn(m, k, generator=gen)
+        one = native.linear(x, packed, None, n, kernels)
+        with _Pool(kernels, threads):
+            assert torch.equal(native.linear(x, packed, None, n, kernels), one)
+    hq, hk, d = 8, 4, 32
+    cases = [(torch.tensor([4, 0, 2]), torch.arange(30, 34)[None].expand(3, 4)),        # rows out of order
+             (torch.tensor([1, 1, 1, 5]), torch.tensor([[20], [21], [22], [9]]))]       # packed: one row's tokens
+    for rows, positions in cases:
+        n, q = positions.shape
+        qkv = torch.randn(n, q, (hq + 2 * hk) * d, generator=gen)
+        angles = torch.randn(n, q, d, generator=gen)
+        cos, sin = angles.cos(), fold_sin(angles.sin())
+        valid = torch.rand(n, 40, generator=gen) > 0.2
+        caches = torch.randn(6, hk, 48, d, generator=gen), torch.randn(6, hk, 48, d, generator=gen)
+        outs = []
+        for pool in (1, threads):
+            k_cache, v_cache = caches[0].clone(), caches[1].clone()
+            with _Pool(kernels, pool):
+                outs.append((native.attend(qkv, cos, sin, positions, rows, k_cache, v_cache, valid, None, hq, kernels),
+                             k_cache, v_cache))
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def _forked_gemm(lib_path, queue):
+    from pipeline.model import native
+    torch.set_num_threads(1)            # torch's own OpenMP team does not survive a fork (its matmuls hang)
+    lib = native.load(lib_path)
+    w = torch.arange(64 * 256, dtype=torch.float32).reshape(256, 64) / 4096
+    with _Pool(lib, 2):
+        y = native.linear(torch.ones(2, 64), native.pack(w), None, 256, lib)
+    queue.put(float(y.sum()))
+
+
+def test_a_forked_child_runs_the_c_kernels(kernels):
+    """A child forked after the pool started (a data loader, a Ray worker made by fork) has none
+    of its workers: its calls start their own and finish, with the parent's result."""
+    import multiprocessing
+    from pipeline.model import native
+    w = torch.arange(64 * 256, dtype=torch.float32).reshape(256, 64) / 4096
+    with _Pool(kernels, 2):
+        want = float(native.linear(torch.ones(2, 64), native.pack(w), None, 256, kernels).sum())
+    if kernels is not native.library():
+        pytest.skip("the child loads the default build")
+    path = native.build()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_forked_gemm, args=(path, queue))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0 and queue.get(timeout=5) == want
 
 
 def test_cpu_linear_takes_the_fp16_gemm_only_for_weights_float16_holds(monkeypatch):
@@ -237,15 +334,16 @@ def test_cpu_linear_takes_the_fp16_gemm_only_for_weights_float16_holds(monkeypat
 
 
 def test_cpu_linear_keeps_float32_where_this_machine_runs_it_faster(monkeypatch):
-    """The kernel is chosen by timing both on the running machine (per weight shape and thread
-    count): where FBGEMM wins at no row count, a weight float16 holds stays PackedLinear."""
-    from pipeline.model import packed
+    """The kernel is chosen by timing both on the running machine (per weight shape, torch's
+    and the C kernels' thread counts): where FBGEMM wins at no row count, a weight float16
+    holds stays PackedLinear."""
+    from pipeline.model import native, packed
     seen = []
     monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *key: seen.append(key) or 0)
     w = torch.randn(16, 8).half().float()
     assert type(packed.cpu_linear(w)) is PackedLinear
     if packed.fp16_gemm_works():
-        assert seen == [(16, 8, torch.get_num_threads(), packed.fp16_kernel())]
+        assert seen == [(16, 8, torch.get_num_threads(), packed.fp16_kernel(), native.pool_threads())]
 
 
 def test_a_float16_gemm_that_wins_at_every_row_count_timed_takes_any(monkeypatch):
@@ -718,3 +816,30 @@ def test_a_heads_step_fill_in_c_is_the_torch_paths(tmp_path, monkeypatch):
             assert torch.equal(drafts[0], drafts[1]), (n, w)
             start = start + fill["count"]
     assert calls == [1] * 3 + [3] * 3              # the C path's fills, and none of the torch path's
+
+
+def test_generate_decodes_the_same_tokens_on_one_thread_and_two(tmp_path, monkeypatch):
+    """A generate call on two torch threads runs the C kernels on both (native.cpu_threads) and
+    decodes what it does on one: greedy under auto and a fixed gamma, and seeded sampling; torch
+    has its two threads back after the call."""
+    from pipeline.engine.params import SamplingParams
+    from pipeline.model import native
+    engine = _native_demo_like_engine(tmp_path, monkeypatch)
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 1, 9, 12, 2]]
+    pools = []
+    real = native.decoder_stack
+    monkeypatch.setattr(native, "decoder_stack", lambda *a: pools.append(native.pool_threads()) or real(*a))
+    threads = torch.get_num_threads()
+    try:
+        outs = {}
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs[t] = [[o.token_ids for o in engine.generate(prompts, params, gamma=g)]
+                       for params, g in ((SamplingParams(max_new_tokens=12), "auto"),
+                                         (SamplingParams(max_new_tokens=12), 3),
+                                         (SamplingParams(max_new_tokens=12, temperature=0.8, seed=3), "auto"))]
+            assert torch.get_num_threads() == t
+        assert outs[1] == outs[2]
+        assert set(pools) == {1, 2}
+    finally:
+        torch.set_num_threads(threads)

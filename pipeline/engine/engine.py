@@ -7,6 +7,7 @@ what outlives a call (KV caches, the cost tracker, acceptance stats, the n-gram 
 from __future__ import annotations
 
 
+import contextlib
 from collections import deque
 
 import torch
@@ -17,6 +18,7 @@ from pipeline.engine.params import DEFAULT_GAMMA_MAX, RequestOutput, SamplingPar
 from pipeline.engine.warm_start import checkpoint_mixture, checkpoint_prior, ensure_profile
 from pipeline.engine.rows import Row
 from pipeline.engine.run import GenerateRun
+from pipeline.model import native
 from pipeline.model.cache import KVCache
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec_decode.cost import CostModel
@@ -67,8 +69,9 @@ class Engine:
                         gamma_max: int = DEFAULT_GAMMA_MAX, allow_pickle: bool = False) -> "Engine":
         """allow_pickle: load *.bin/*.pt weights when there are no safetensors (off: refused)."""
         dev = resolve_device(device)
-        loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev), fuse=True,
-                            allow_pickle=allow_pickle)
+        with native.cpu_threads() if dev.type == "cpu" else contextlib.nullcontext():   # kernels timed as run
+            loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev), fuse=True,
+                                allow_pickle=allow_pickle)
         tokenizer = None
         try:
             from transformers import AutoTokenizer
@@ -132,7 +135,13 @@ class Engine:
         the profile stale (pipeline.engine.warm_start). `explore`: a small call may measure on
         its own steps instead."""
         if self.heads:
-            ensure_profile(self, context_len, rows, explore)
+            with self.threads():
+                ensure_profile(self, context_len, rows, explore)
+
+    def threads(self):
+        """The context the engine computes in: on CPU, its threads run the C kernels and torch's
+        own ops one (pipeline.model.native.cpu_threads); elsewhere nothing changes."""
+        return native.cpu_threads() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def note_utilization(self, utilization: float | None) -> None:
         """Utilisation measured over a shard; a large change marks the cost profile stale."""
@@ -203,7 +212,8 @@ class Engine:
         live = [r for r in rows if r.out.error is None]
         self.last_stats = SpecStats()
         if live:
-            GenerateRun(self, live, params, policy, sources, gamma, task).run()
+            with self.threads():
+                GenerateRun(self, live, params, policy, sources, gamma, task).run()
         self.stats = self.stats.merge(self.last_stats)
         del self.stats.steps[:-_KEEP_STEPS], self.stats.prefills[:-_KEEP_STEPS]   # bounded memory
         return [r.finalize(params, self.tokenizer) if r.out.error is None else r.out for r in rows]

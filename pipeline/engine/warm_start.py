@@ -130,7 +130,8 @@ def profile_key(engine, context_len: int) -> str | None:
     path = getattr(engine.model, "path", None)
     if path is None or not Path(path).is_dir():
         return None
-    parts = [device_name(engine.device), str(engine.dtype), str(torch.get_num_threads()),
+    from pipeline.model import native
+    parts = [device_name(engine.device), str(engine.dtype), str(native.thread_count()),
              str(engine.gamma_max), str(context_len), checkpoint_fingerprint(path), code_fingerprint()]
     if engine.device.type == "cpu":
         parts.append(cpu_kernels())

@@ -16,6 +16,9 @@
  * -ffp-contract=off) for AVX-512 or AVX2 (the vector layer below); elsewhere it does not
  * compile and the engine keeps torch's kernels. */
 #include <immintrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -192,8 +195,8 @@ static inline __attribute__((always_inline)) void panel(int m, int nv, int k, co
 }
 
 #define PASS(M) \
-    static void pass##M(int k, int n, const float *x, const uint16_t *w, const float *b, float *y) { \
-        for (int c = 0; c < n; c += PANEL) \
+    static void pass##M(int k, int n, int c0, int c1, const float *x, const uint16_t *w, const float *b, float *y) { \
+        for (int c = c0; c < c1; c += PANEL) \
             for (int s = 0; s < PANEL && c + s < n; s += NV(M) * VW) \
                 panel(M, NV(M), k, x, w + (size_t)c * k, s, b ? b + c : NULL, y, n, c); \
     }
@@ -202,10 +205,10 @@ PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6)
 PASS(7) PASS(8)
 #endif
 
-/* x: [m, k] float32; w: [ceil(n / 64)][k][64] float16 bits, zero past n; b: NULL or
- * ceil(n / 64) * 64 floats; y: [m, n] float32. */
-void half_gemm(int m, int k, int n, const float *x, const uint16_t *w, const float *b, float *y) {
-    static void (*const passes[])(int, int, const float *, const uint16_t *, const float *, float *) =
+/* Output columns c0..c1-1 (c0 a multiple of PANEL) of every row: half_gemm on one thread. */
+static void gemm_columns(int m, int k, int n, const float *x, const uint16_t *w, const float *b, float *y,
+                         int c0, int c1) {
+    static void (*const passes[])(int, int, int, int, const float *, const uint16_t *, const float *, float *) =
         {NULL, pass1, pass2, pass3, pass4, pass5, pass6,
 #if RB > 6
          pass7, pass8
@@ -213,8 +216,157 @@ void half_gemm(int m, int k, int n, const float *x, const uint16_t *w, const flo
         };
     for (int r = 0; r < m; r += RB) {
         int rows = m - r < RB ? m - r : RB;
-        passes[rows](k, n, x + (size_t)r * k, w, b, y + (size_t)r * n);
+        passes[rows](k, n, c0, c1, x + (size_t)r * k, w, b, y + (size_t)r * n);
     }
+}
+
+/* ---- Threads ------------------------------------------------------------------------------
+ * A pool of `set_threads(t)` - 1 workers beside the calling thread (pipeline/model/native.py sets
+ * t to torch's thread count). `parallel(fn, ctx, items)` runs fn(ctx, i) for i < items on the
+ * caller and the workers, each taking the next item from a shared counter, and returns when
+ * every worker has finished with the job. half_gemm splits its output panels this way and
+ * `attend` its (row, kv head) pairs; each item computes what one thread would, in the same
+ * order, so results do not depend on the thread count. Workers spin SPIN_NS after a job (a
+ * step's Python work between C calls is ~0.1-0.3 ms at batch 1), then sleep until the next.
+ * A forked child has no workers (its calls run on one thread), a job asked for from within a
+ * job or while another thread's runs is run by its caller alone. */
+#define MAX_WORKERS 63
+static long SPIN_NS = 2000000L;
+
+typedef void (*item_fn)(void *ctx, int item);
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    atomic_uint gen;                  /* bumped for each job */
+    atomic_int next;                  /* the job's next item */
+    atomic_int checked_in;            /* workers finished with the job */
+    atomic_int sleepers;
+    atomic_flag busy;                 /* a job is running */
+    item_fn fn;
+    void *ctx;
+    int items, active, started;       /* active: workers taking items; started: workers created */
+    pthread_t tid[MAX_WORKERS];
+    unsigned born[MAX_WORKERS];       /* the job count when each worker was made: later ones are its */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, ATOMIC_FLAG_INIT, NULL, NULL, 0, 0, 0, {0}, {0}};
+
+static _Thread_local int in_job = 0;
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void *worker(void *arg) {
+    int me = (int)(intptr_t)arg;
+    unsigned seen = pool.born[me];    /* not gen now: a job may have started before this thread ran */
+    in_job = 1;                       /* a worker's own calls never start jobs */
+    for (;;) {
+        unsigned g = atomic_load_explicit(&pool.gen, memory_order_acquire);
+        if (g == seen) {
+            long until = now_ns() + SPIN_NS;
+            for (int spins = 0; (g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen; spins++) {
+                _mm_pause();
+                if ((spins & 1023) == 1023 && now_ns() > until) {
+                    pthread_mutex_lock(&pool.mu);
+                    atomic_fetch_add(&pool.sleepers, 1);
+                    while ((g = atomic_load(&pool.gen)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+                    atomic_fetch_sub(&pool.sleepers, 1);
+                    pthread_mutex_unlock(&pool.mu);
+                    break;
+                }
+            }
+        }
+        seen = g;
+        if (me < pool.active)
+            for (int i; (i = atomic_fetch_add(&pool.next, 1)) < pool.items;) pool.fn(pool.ctx, i);
+        atomic_fetch_add_explicit(&pool.checked_in, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static void forked_child(void) {      /* the child has none of the parent's workers */
+    pool.started = pool.active = 0;
+    atomic_flag_clear(&pool.busy);
+}
+
+/* Threads for later calls: the caller and t - 1 workers (created on first need, kept). Returns
+ * the threads now in use. Call it between jobs (native.py does, before a step). */
+int set_threads(int t) {
+    static int registered = 0;
+    int want = t < 1 ? 0 : (t - 1 > MAX_WORKERS ? MAX_WORKERS : t - 1);
+    if (atomic_flag_test_and_set(&pool.busy)) return pool.active + 1;
+    if (!registered) {
+        const char *e = getenv("SPECBATCH_SPIN_NS");
+        if (e) SPIN_NS = atol(e);
+        pthread_atfork(NULL, NULL, forked_child);
+        registered = 1;
+    }
+    while (pool.started < want) {
+        pool.born[pool.started] = atomic_load(&pool.gen);
+        if (pthread_create(&pool.tid[pool.started], NULL, worker, (void *)(intptr_t)pool.started)) break;
+        pthread_detach(pool.tid[pool.started]);
+        pool.started++;
+    }
+    pool.active = want < pool.started ? want : pool.started;
+    atomic_flag_clear(&pool.busy);
+    return pool.active + 1;
+}
+
+static void parallel(item_fn fn, void *ctx, int items) {
+    if (pool.active == 0 || items <= 1 || in_job || atomic_flag_test_and_set(&pool.busy)) {
+        for (int i = 0; i < items; i++) fn(ctx, i);
+        return;
+    }
+    pool.fn = fn, pool.ctx = ctx, pool.items = items;
+    atomic_store(&pool.next, 0);
+    atomic_store(&pool.checked_in, 0);
+    atomic_fetch_add(&pool.gen, 1);                  /* publishes the job (sequentially consistent) */
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    in_job = 1;
+    for (int i; (i = atomic_fetch_add(&pool.next, 1)) < items;) fn(ctx, i);
+    in_job = 0;
+    while (atomic_load_explicit(&pool.checked_in, memory_order_acquire) < pool.started) _mm_pause();
+    atomic_flag_clear(&pool.busy);
+}
+
+/* ---- half_gemm ------------------------------------------------------------------------------ */
+typedef struct {
+    int m, k, n, panels, items;
+    const float *x, *b;
+    const uint16_t *w;
+    float *y;
+} GemmJob;
+
+static void gemm_item(void *ctx, int item) {
+    const GemmJob *j = ctx;
+    int p0 = (int)((long)j->panels * item / j->items), p1 = (int)((long)j->panels * (item + 1) / j->items);
+    int c1 = p1 * PANEL < j->n ? p1 * PANEL : j->n;
+    gemm_columns(j->m, j->k, j->n, j->x, j->w, j->b, j->y, p0 * PANEL, c1);
+}
+
+#define GEMM_ITEM_WORK 32768L     /* multiply-adds an item at least (a few us): smaller jobs run on one thread */
+
+/* x: [m, k] float32; w: [ceil(n / 64)][k][64] float16 bits, zero past n; b: NULL or
+ * ceil(n / 64) * 64 floats; y: [m, n] float32. Output panels are split over the pool's threads
+ * (a panel's columns come out the same on any thread). */
+void half_gemm(int m, int k, int n, const float *x, const uint16_t *w, const float *b, float *y) {
+    int panels = (n + PANEL - 1) / PANEL, threads = pool.active + 1;
+    long work = (long)m * k * PANEL;                 /* multiply-adds a panel */
+    int items = panels < 4 * threads ? panels : 4 * threads;
+    if (items > 1 && work * panels / items < GEMM_ITEM_WORK)
+        items = (int)(work * panels / GEMM_ITEM_WORK) > 1 ? (int)(work * panels / GEMM_ITEM_WORK) : 1;
+    if (threads == 1 || items <= 1) {
+        gemm_columns(m, k, n, x, w, b, y, 0, n);
+        return;
+    }
+    GemmJob job = {m, k, n, panels, items, x, b, w, y};
+    parallel(gemm_item, &job, items);
 }
 
 /* Rows per pass over a weight (pipeline/model/native.py ROWS): up to this many cost one read. */
@@ -380,10 +532,131 @@ static void (*const PV[QB + 1])(int, int, int, vm, const float *, int, const flo
  * rows: [n] cache rows (NULL: row i); pos: [n, q]; kc, vc: the layer's [B, hk, cap, d];
  * valid: NULL or bytes [n, vstride] by key position; out: [n, q, hq, d]. Returns 0, or -1 where
  * it could not allocate its scratch. */
+typedef struct {
+    int n, q, hq, hk, d, cap, vstride, window, width;
+    float scale;
+    const float *qkv, *cos, *sin;
+    const int64_t *rows, *pos;
+    const float *kc, *vc;
+    const uint8_t *valid;
+    float *out;
+    atomic_int failed;
+} AttendJob;
+
+static _Thread_local float *attend_buf = NULL;    /* a thread's scores and rotated queries */
+static _Thread_local size_t attend_cap = 0;
+
+/* One (row i, kv head g) of `attend`: its group's queries over the row's keys. */
+static void attend_item(void *ctx, int item) {
+    AttendJob *J = ctx;
+    int n = J->n, q = J->q, hq = J->hq, hk = J->hk, d = J->d, cap = J->cap, window = J->window, width = J->width;
+    int heads = hq + 2 * hk, group = hq / hk, nq = q * group, i = item / hk, g = item % hk;
+    const float *qkv = J->qkv, *cos = J->cos, *sin = J->sin, *kc = J->kc, *vc = J->vc;
+    const int64_t *rows = J->rows, *pos = J->pos;
+    float scale = J->scale, *out = J->out;
+    size_t need = (size_t)nq * d + (size_t)nq * width;
+    if (need > attend_cap) {
+        free(attend_buf);
+        attend_buf = malloc(sizeof(float) * need);
+        attend_cap = attend_buf ? need : 0;
+        if (!attend_buf) {
+            atomic_store(&J->failed, 1);
+            return;
+        }
+    }
+    float *qs = attend_buf, *w = qs + (size_t)nq * d;
+    int64_t lo[nq], hi[nq];
+    const vi lane = ilane();
+    size_t r = rows ? (size_t)rows[i] : (size_t)i;
+    const uint8_t *ok = J->valid ? J->valid + (size_t)i * J->vstride : NULL;
+    int64_t first, last;
+    row_span(q, pos + (size_t)i * q, window, &first, &last);
+    int keys = (int)(last - first + 1), blocks = (keys + VW - 1) / VW;
+    for (int t = 0; t < q; t++) {           /* query b = t * group + hh: head g * group + hh */
+        const float *src = qkv + ((size_t)i * q + t) * heads * d;
+        const float *c = cos + ((size_t)i * q + t) * d, *s = sin + ((size_t)i * q + t) * d;
+        int64_t p = pos[(size_t)i * q + t];
+        for (int hh = 0; hh < group; hh++) {
+            int b = t * group + hh;
+            rope(d, src + (size_t)(g * group + hh) * d, c, s, qs + (size_t)b * d);
+            hi[b] = p;
+            lo[b] = first_key(p, window);
+        }
+    }
+    const float *K = kc + (r * hk + g) * cap * d, *V = vc + (r * hk + g) * cap * d;
+    /* the next (row, kv head)'s keys and values, a slice per block of this one's (prefetch_rows) */
+    const float *NK = NULL, *NV = NULL;
+    int64_t nfirst = first, nlast = last;
+    if (g + 1 < hk) {
+        NK = K + (size_t)cap * d, NV = V + (size_t)cap * d;
+    } else if (i + 1 < n) {
+        size_t nr = rows ? (size_t)rows[i + 1] : (size_t)i + 1;
+        NK = kc + nr * hk * cap * d, NV = vc + nr * hk * cap * d;
+        row_span(q, pos + (size_t)(i + 1) * q, window, &nfirst, &nlast);
+    }
+    int64_t slice = (nlast - nfirst + blocks) / blocks;
+    for (int j0 = 0; j0 < keys; j0 += VW) {      /* VW keys at a time */
+        int in = keys - j0 < VW ? keys - j0 : VW;
+        vm km = vfirst(in);
+        vi jv = iadd(lane, iset((int)(first + j0)));
+        vm seen = ok ? vbytes(ok + first + j0, in) : km;
+        if (NK) {
+            int64_t from = nfirst + j0 / VW * slice, to = from + slice > nlast + 1 ? nlast + 1 : from + slice;
+            prefetch_rows(NK, from, to, d);
+            prefetch_rows(NV, from, to, d);
+        }
+        for (int b = 0; b < nq; b++) {
+            if (first + j0 > hi[b]) {              /* keys past the query: none visible */
+                vstore(w + (size_t)b * width + j0, vset(-INFINITY));
+                continue;
+            }
+            vf sc = qk_rows(d, in, qs + (size_t)b * d, K + (size_t)(first + j0) * d);
+            vi ph = iset((int)hi[b]);
+            vm m = vm_and(vm_and(vm_or(seen, ieq(jv, ph)), ile(jv, ph)), vm_and(ige(jv, iset((int)lo[b])), km));
+            vstore(w + (size_t)b * width + j0, vsel(m, vmul(sc, vset(scale)), vset(-INFINITY)));
+        }
+    }
+    for (int b = 0; b < nq; b++) {                 /* softmax of each query's scores */
+        float *wb = w + (size_t)b * width;
+        int kb = upto(keys, first, hi[b]);
+        vf mx = vset(-INFINITY);
+        for (int j0 = 0; j0 < kb; j0 += VW)
+            mx = vsel(vfirst(kb - j0), vmax(mx, vload(wb + j0)), mx);
+        vf m = vset(vhmax(mx)), sum = vzero();
+        for (int j0 = 0; j0 < kb; j0 += VW) {
+            vf x = vload(wb + j0);
+            vm live = vm_and(vneq(x, vset(-INFINITY)), vfirst(kb - j0));
+            vf e = vsel(live, vexp(vmax(vsub(x, m), vset(-87.0f))), vzero());
+            vstore(wb + j0, e);
+            sum = vadd(sum, e);
+        }
+        float inv = 1.0f / vsum(sum);
+        for (int j0 = 0; j0 < kb; j0 += VW)
+            vstore(wb + j0, vmul(vload(wb + j0), vset(inv)));
+        for (int j0 = (kb + VW - 1) / VW * VW; j0 < keys; j0 += VW)
+            vstore(wb + j0, vzero());             /* past the query: weight 0 where a block reads it */
+    }
+    const float *Vf = V + (size_t)first * d;
+    for (int b0 = 0; b0 < nq; b0 += QB) {          /* the weighted sums of values */
+        int nb = nq - b0 < QB ? nq - b0 : QB, kb = 0;
+        for (int b = b0; b < b0 + nb; b++) {       /* the keys the block's queries see */
+            int u = upto(keys, first, hi[b]);
+            kb = u > kb ? u : kb;
+        }
+        float tmp[QB * d];
+        for (int u = 0; u < d; u += VW)
+            PV[nb](kb, d, u, vfirst(d - u), w + (size_t)b0 * width, width, Vf, tmp);
+        for (int b = 0; b < nb; b++) {
+            int t = (b0 + b) / group, hh = (b0 + b) % group;
+            memcpy(out + (((size_t)i * q + t) * hq + g * group + hh) * d, tmp + (size_t)b * d, sizeof(float) * d);
+        }
+    }
+}
+
 int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const float *cos,
            const float *sin, const int64_t *rows, const int64_t *pos, float *kc, float *vc,
            const uint8_t *valid, int vstride, int window, float scale, float *out) {
-    int heads = hq + 2 * hk, group = hq / hk, nq = q * group;
+    int heads = hq + 2 * hk;
     for (int i = 0; i < n; i++) {
         size_t r = rows ? (size_t)rows[i] : (size_t)i;
         for (int t = 0; t < q; t++) {
@@ -399,102 +672,10 @@ int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const
     }
     int64_t top = 0;
     for (size_t x = 0; x < (size_t)n * q; x++) top = pos[x] > top ? pos[x] : top;
-    int width = (int)((top + VW) / VW * VW);
-    float *qs = malloc(sizeof(float) * ((size_t)nq * d + (size_t)nq * width));
-    if (!qs) return -1;
-    float *w = qs + (size_t)nq * d;
-    int64_t lo[nq], hi[nq];
-    const vi lane = ilane();
-    for (int i = 0; i < n; i++) {
-        size_t r = rows ? (size_t)rows[i] : (size_t)i;
-        const uint8_t *ok = valid ? valid + (size_t)i * vstride : NULL;
-        int64_t first, last;
-        row_span(q, pos + (size_t)i * q, window, &first, &last);
-        int keys = (int)(last - first + 1), blocks = (keys + VW - 1) / VW;
-        for (int g = 0; g < hk; g++) {
-            for (int t = 0; t < q; t++) {           /* query b = t * group + hh: head g * group + hh */
-                const float *src = qkv + ((size_t)i * q + t) * heads * d;
-                const float *c = cos + ((size_t)i * q + t) * d, *s = sin + ((size_t)i * q + t) * d;
-                int64_t p = pos[(size_t)i * q + t];
-                for (int hh = 0; hh < group; hh++) {
-                    int b = t * group + hh;
-                    rope(d, src + (size_t)(g * group + hh) * d, c, s, qs + (size_t)b * d);
-                    hi[b] = p;
-                    lo[b] = first_key(p, window);
-                }
-            }
-            const float *K = kc + (r * hk + g) * cap * d, *V = vc + (r * hk + g) * cap * d;
-            /* the next (row, kv head)'s keys and values, a slice per block of this one's (prefetch_rows) */
-            const float *NK = NULL, *NV = NULL;
-            int64_t nfirst = first, nlast = last;
-            if (g + 1 < hk) {
-                NK = K + (size_t)cap * d, NV = V + (size_t)cap * d;
-            } else if (i + 1 < n) {
-                size_t nr = rows ? (size_t)rows[i + 1] : (size_t)i + 1;
-                NK = kc + nr * hk * cap * d, NV = vc + nr * hk * cap * d;
-                row_span(q, pos + (size_t)(i + 1) * q, window, &nfirst, &nlast);
-            }
-            int64_t slice = (nlast - nfirst + blocks) / blocks;
-            for (int j0 = 0; j0 < keys; j0 += VW) {      /* VW keys at a time */
-                int in = keys - j0 < VW ? keys - j0 : VW;
-                vm km = vfirst(in);
-                vi jv = iadd(lane, iset((int)(first + j0)));
-                vm seen = ok ? vbytes(ok + first + j0, in) : km;
-                if (NK) {
-                    int64_t from = nfirst + j0 / VW * slice, to = from + slice > nlast + 1 ? nlast + 1 : from + slice;
-                    prefetch_rows(NK, from, to, d);
-                    prefetch_rows(NV, from, to, d);
-                }
-                for (int b = 0; b < nq; b++) {
-                    if (first + j0 > hi[b]) {              /* keys past the query: none visible */
-                        vstore(w + (size_t)b * width + j0, vset(-INFINITY));
-                        continue;
-                    }
-                    vf sc = qk_rows(d, in, qs + (size_t)b * d, K + (size_t)(first + j0) * d);
-                    vi ph = iset((int)hi[b]);
-                    vm m = vm_and(vm_and(vm_or(seen, ieq(jv, ph)), ile(jv, ph)), vm_and(ige(jv, iset((int)lo[b])), km));
-                    vstore(w + (size_t)b * width + j0, vsel(m, vmul(sc, vset(scale)), vset(-INFINITY)));
-                }
-            }
-            for (int b = 0; b < nq; b++) {                 /* softmax of each query's scores */
-                float *wb = w + (size_t)b * width;
-                int kb = upto(keys, first, hi[b]);
-                vf mx = vset(-INFINITY);
-                for (int j0 = 0; j0 < kb; j0 += VW)
-                    mx = vsel(vfirst(kb - j0), vmax(mx, vload(wb + j0)), mx);
-                vf m = vset(vhmax(mx)), sum = vzero();
-                for (int j0 = 0; j0 < kb; j0 += VW) {
-                    vf x = vload(wb + j0);
-                    vm live = vm_and(vneq(x, vset(-INFINITY)), vfirst(kb - j0));
-                    vf e = vsel(live, vexp(vmax(vsub(x, m), vset(-87.0f))), vzero());
-                    vstore(wb + j0, e);
-                    sum = vadd(sum, e);
-                }
-                float inv = 1.0f / vsum(sum);
-                for (int j0 = 0; j0 < kb; j0 += VW)
-                    vstore(wb + j0, vmul(vload(wb + j0), vset(inv)));
-                for (int j0 = (kb + VW - 1) / VW * VW; j0 < keys; j0 += VW)
-                    vstore(wb + j0, vzero());             /* past the query: weight 0 where a block reads it */
-            }
-            const float *Vf = V + (size_t)first * d;
-            for (int b0 = 0; b0 < nq; b0 += QB) {          /* the weighted sums of values */
-                int nb = nq - b0 < QB ? nq - b0 : QB, kb = 0;
-                for (int b = b0; b < b0 + nb; b++) {       /* the keys the block's queries see */
-                    int u = upto(keys, first, hi[b]);
-                    kb = u > kb ? u : kb;
-                }
-                float tmp[QB * d];
-                for (int u = 0; u < d; u += VW)
-                    PV[nb](kb, d, u, vfirst(d - u), w + (size_t)b0 * width, width, Vf, tmp);
-                for (int b = 0; b < nb; b++) {
-                    int t = (b0 + b) / group, hh = (b0 + b) % group;
-                    memcpy(out + (((size_t)i * q + t) * hq + g * group + hh) * d, tmp + (size_t)b * d, sizeof(float) * d);
-                }
-            }
-        }
-    }
-    free(qs);
-    return 0;
+    AttendJob job = {n, q, hq, hk, d, cap, vstride, window, (int)((top + VW) / VW * VW), scale, qkv, cos, sin,
+                     rows, pos, kc, vc, valid, out, 0};
+    parallel(attend_item, &job, n * hk);
+    return atomic_load(&job.failed) ? -1 : 0;
 }
 
 /* A decoder layer's weights as the C layer reads them (pipeline/model/native.py LayerWeights):

@@ -29,6 +29,7 @@ equals x @ w.T up to float32 rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -43,7 +44,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("half_gemm.c")
 PANEL = 64                # output columns per panel (half_gemm.c)
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]
 ISA_FLAGS = {"best": [], "avx2": ["-mno-avx512f"]}     # SPECBATCH_NATIVE_ISA -> extra flags
 
 
@@ -124,6 +125,46 @@ def library():
     return None if path is None else load(path)
 
 
+_pool_threads: int | None = None     # the C kernels' threads while `cpu_threads` holds, else None
+
+
+def pool_threads() -> int:
+    """Threads the C kernels run on now: the caller's alone, or inside `cpu_threads` torch's
+    thread count as it was on entry."""
+    return _pool_threads or 1
+
+
+def thread_count() -> int:
+    """Threads the engine's CPU work has: torch's count, or inside `cpu_threads` the C kernels'
+    (torch's own ops run on one thread there). What profiles are keyed by and benchmarks report."""
+    return _pool_threads or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def cpu_threads():
+    """While the engine works on CPU with the C kernels: torch's thread count T runs them (the
+    caller and T - 1 workers of half_gemm.c's pool, splitting each linear's output panels and each
+    attention's (row, kv head) pairs; results the same bits as on one thread) and torch's own ops
+    run on one thread, so the two pools never wait on each other's spinning threads. With both
+    on 2 threads a 32-row step took 1.6x its one-thread time; on the pool alone, 0.6x (2-core Zen
+    4, docs/decisions.md, stop 54). T is restored on exit. A nested use, T = 1, no library: no
+    change."""
+    global _pool_threads
+    lib = library()
+    t = torch.get_num_threads()
+    if lib is None or _pool_threads is not None or t <= 1 or not hasattr(lib, "set_threads"):
+        yield
+        return
+    _pool_threads = lib.set_threads(t)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(t)
+        lib.set_threads(1)
+        _pool_threads = None
+
+
 def load(path: Path):
     """The library at `path` with its functions' signatures, or None where it does not load or
     disagrees with float64 math."""
@@ -134,6 +175,9 @@ def load(path: Path):
     lib.half_gemm.restype = lib.rms_norm.restype = None
     lib.half_gemm_rows.restype = ctypes.c_int
     lib.half_gemm_rows.argtypes = []
+    if hasattr(lib, "set_threads"):          # (an earlier commit's build has no pool)
+        lib.set_threads.restype = ctypes.c_int
+        lib.set_threads.argtypes = [ctypes.c_int]
     lib.half_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
     lib.rms_norm.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p]
     lib.attend.restype = ctypes.c_int

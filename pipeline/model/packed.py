@@ -104,11 +104,11 @@ def fp16_exact(weight: torch.Tensor) -> bool:
 
 
 def fp16_kernel() -> str:
-    """The float16-weight GEMM for linears loaded now: "native" (half_gemm) where it builds and
-    torch runs one thread, else "fbgemm". half_gemm is single-threaded: with more torch threads
-    the engine keeps the kernels that use them (one thread is what the benchmarks and a
-    one-CPU actor run)."""
-    return "native" if torch.get_num_threads() == 1 and native.library() is not None else "fbgemm"
+    """The float16-weight GEMM for linears loaded now: "native" (half_gemm) where it builds, else
+    "fbgemm". The engine runs half_gemm on torch's thread count (native.cpu_threads): on 2
+    threads of a 2-core Zen 4 it decoded faster than FBGEMM and torch's modules on the same two
+    (docs/decisions.md, stop 54)."""
+    return "native" if native.library() is not None else "fbgemm"
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,16 +152,18 @@ def crossover(times: dict, floor: int = 0) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def fp16_gemm_rows(out_features: int, in_features: int, threads: int, kernel: str | None = None) -> int:
+def fp16_gemm_rows(out_features: int, in_features: int, threads: int, kernel: str | None = None,
+                   pool: int = 1) -> int:
     """Up to how many input rows the float16-weight GEMM (`fp16_kernel`) is to be used for an
     [out, in] weight on this machine: `crossover` of its timings at ROWS, stopping at the first
     row count it loses. Timed as in a forward, with the weight out of L2: each round runs a copy
     after copy of it, 16 MiB in all; per kernel the fastest of 5 interleaved rounds, so a busy
     spell of a shared machine hits both alike. Above 8 rows the arithmetic, not the weight's
     bytes, bounds both kernels: fewer copies (down to 2) keep a round's work about that of 8
-    rows, and from 128 rows 3 rounds. Once per process, weight shape and `threads` (torch's
-    thread count) and `kernel` (default `fp16_kernel()`); 0.1-0.2 s a weight, 0.6 s for a
-    256 x 6,144 one. Winning at every row count up to 512 (ROWS[-1]) means any count.
+    rows, and from 128 rows 3 rounds. Once per process, weight shape, `threads` (torch's
+    thread count), `kernel` (default `fp16_kernel()`) and `pool` (the C kernels' threads,
+    native.pool_threads; keys only: the timing runs as they are set); 0.1-0.2 s a weight, 0.6 s
+    for a 256 x 6,144 one. Winning at every row count up to 512 (ROWS[-1]) means any count.
 
     The native kernel is taken up to `native.rows_per_pass()` rows (one read of a weight of half the bytes)
     without timing: this timing at 1-4 rows, each weight copy warm in L3, flipped between
@@ -196,7 +198,7 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Mod
     admits (module docstring). weight: [out, in], float32 or not."""
     if weight.device.type == "cpu" and fp16_exact(weight) and fp16_gemm_works():
         kernel = fp16_kernel()
-        rows = fp16_gemm_rows(*weight.shape, torch.get_num_threads(), kernel)
+        rows = fp16_gemm_rows(*weight.shape, torch.get_num_threads(), kernel, native.pool_threads())
         if rows:         # won at every row count timed: every count (a prefill's, a wide verify's)
             return Fp16WeightLinear(weight, bias, max_rows=None if rows >= ROWS[-1] else rows, kernel=kernel)
     return PackedLinear(_linear(weight, bias))
