@@ -222,20 +222,25 @@ def test_the_native_kernel_is_taken_at_any_torch_thread_count():
         torch.set_num_threads(threads)
 
 
-def test_cpu_threads_gives_the_c_kernels_torchs_threads_and_torch_one():
+def test_cpu_threads_gives_the_c_kernels_torchs_threads_and_torch_one(monkeypatch):
     """Inside the engine's context torch's own ops run on one thread and the C kernels on the
-    count torch had; a nested context changes nothing; on exit torch has its count back."""
+    count torch had, at most the process's CPUs; a nested context changes nothing; on exit torch
+    has its count back."""
     from pipeline.model import native
     _kernel_or_skip("native")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
+        monkeypatch.setattr(native, "_cpus", lambda: 8)
         with native.cpu_threads():
             assert (torch.get_num_threads(), native.pool_threads(), native.thread_count()) == (1, 3, 3)
             with native.cpu_threads():
                 assert (torch.get_num_threads(), native.pool_threads()) == (1, 3)
             assert native.pool_threads() == 3
         assert (torch.get_num_threads(), native.pool_threads(), native.thread_count()) == (3, 1, 3)
+        monkeypatch.setattr(native, "_cpus", lambda: 2)
+        with native.cpu_threads():
+            assert (torch.get_num_threads(), native.pool_threads()) == (1, 2)
         torch.set_num_threads(1)
         with native.cpu_threads():
             assert (torch.get_num_threads(), native.pool_threads()) == (1, 1)

@@ -134,6 +134,13 @@ def pool_threads() -> int:
     return _pool_threads or 1
 
 
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def thread_count() -> int:
     """Threads the engine's CPU work has: torch's count, or inside `cpu_threads` the C kernels'
     (torch's own ops run on one thread there). What profiles are keyed by and benchmarks report."""
@@ -147,15 +154,16 @@ def cpu_threads():
     attention's (row, kv head) pairs; results the same bits as on one thread) and torch's own ops
     run on one thread, so the two pools never wait on each other's spinning threads. With both
     on 2 threads a 32-row step took 1.6x its one-thread time; on the pool alone, 0.6x (2-core Zen
-    4, docs/decisions.md, stop 54). T is restored on exit. A nested use, T = 1, no library: no
-    change."""
+    4, docs/decisions.md, stop 54). T is restored on exit; the pool takes at most the CPUs this
+    process may run on (its workers spin between a step's calls). A nested use, T = 1, no
+    library: no change."""
     global _pool_threads
     lib = library()
     t = torch.get_num_threads()
     if lib is None or _pool_threads is not None or t <= 1 or not hasattr(lib, "set_threads"):
         yield
         return
-    _pool_threads = lib.set_threads(t)
+    _pool_threads = lib.set_threads(min(t, _cpus()))
     torch.set_num_threads(1)
     try:
         yield
