@@ -24,6 +24,11 @@ step (a call per layer cost ~10 us of Python each) and of a prefill, a few rows 
 call (pipeline/model/target.py), and the MTP heads' forward, fill and greedy drafting are calls
 of their own.
 
+Threads: the linears and attention split over a pool of threads (half_gemm.c `set_threads`),
+which the engine sizes to torch's thread count while it works (`cpu_threads`, where torch's own
+ops drop to one thread); outside it the kernels run on the calling thread. Results are the same
+bits on any count. SPECBATCH_SPIN_NS sets how long idle workers spin before they sleep (2 ms).
+
 Example: w [n, k] float32 that float16 holds; packed = pack(w); y = linear(x, packed, None, n)
 equals x @ w.T up to float32 rounding.
 """
