@@ -150,17 +150,21 @@ def test_plain_steps_are_filled_at_the_next_draft_and_a_full_backlog_leaves_a_ga
 
 
 @torch.no_grad()
-def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("budgets,schedule,most_held", [
+    ([9, 14, 6, 11, 8], [2, 0, 0, 1, 0, 0, 0, 3, 0, 2, 0, 0, 1, 1, 0, 0, 0, 2, 0, 0, 0, 0, 3, 0], 1),
+    ([40, 34, 12, 37, 30], [2] + [0] * 20 + [3] + [0] * 40 + [1, 0, 0], 2),
+    ([45, 44, 43, 46, 42], [0] * 40 + [2, 0, 0, 3], 16)])        # plain runs past the backlog's size, held
+def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path, monkeypatch, budgets, schedule,
+                                                                        most_held):
     """A step whose rows kept one token each hands the heads its column as it is
-    (Drafter.add_column): appended to the backlog by a plain step that follows, made a
-    PendingFill only where a draft or a moving or finishing row needs one. Over plain and
-    drafted steps, five rows of different budgets through three slots, the heads' caches,
-    masks, carries and backlog and every output equal those where each step builds its fill."""
-    from pipeline.engine.drafter import Drafter, PendingFill
+    (Drafter.add_column), and a plain step that follows holds it in the backlog unwritten
+    (Backlog.add_column), written only where a draft, a moving or finishing row or a general
+    append needs it, and dropped unwritten where the backlog overflows. Over plain and drafted
+    steps, five rows of different budgets through three slots, the heads' caches, masks,
+    carries and backlog and every output equal those where each step builds its fill."""
+    from pipeline.engine.drafter import Backlog, Drafter, PendingFill
     path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
     prompts = random_prompts([5, 9, 3, 7, 4], 128, seed=3)
-    budgets = [9, 14, 6, 11, 8]
-    schedule = [2, 0, 0, 1, 0, 0, 0, 3, 0, 2, 0, 0, 1, 1, 0, 0, 0, 2, 0, 0, 0, 0, 3, 0]
 
     def run_all():
         engine = Engine.from_pretrained(path, device="cpu", max_batch_size=3)
@@ -175,10 +179,22 @@ def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path
             run._admit()
             run._step()
             seen.append((dict(drafter.backlog.tokens), drafter.column is not None))
+            held.append(len(drafter.backlog.columns))
+        drafter.backlog._flush()
         return [r.tokens for r in rows], drafter, seen
 
+    held, overflowed = [], []
+    real_add_column = Backlog.add_column
+
+    def add_column(self, *a, **k):
+        got = real_add_column(self, *a, **k)
+        overflowed.append(got)
+        return got
+    monkeypatch.setattr(Backlog, "add_column", add_column)
     tokens, lazy, seen = run_all()
-    assert any(held for _, held in seen) and any(t for t, _ in seen)     # columns held, backlogs appended
+    assert any(h for _, h in seen) and any(t for t, _ in seen)           # columns held, backlogs appended
+    assert max(held) >= most_held                                        # backlog columns held unwritten
+    assert (most_held < 16) or True in overflowed                         # ... and dropped unwritten
 
     def at_once(self, n, start, hidden, next_ids):                          # the fill built at every step
         self.add_pending(PendingFill(torch.arange(n), start, hidden[:, None], next_ids[:, None],
@@ -190,7 +206,11 @@ def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path
     for name in ("valid", "carry", "carry_ok", "gap"):
         assert torch.equal(getattr(lazy, name), getattr(eager, name)), name
     assert torch.equal(lazy.cache.k, eager.cache.k) and torch.equal(lazy.cache.v, eager.cache.v)
-    assert torch.equal(lazy.backlog.hidden, eager.backlog.hidden) and torch.equal(lazy.backlog.ids, eager.backlog.ids)
+    assert lazy.backlog.tokens == eager.backlog.tokens
+    for slot, k in lazy.backlog.tokens.items():                      # what a fill would read (the rest is stale)
+        for name in ("hidden", "ids"):
+            assert torch.equal(getattr(lazy.backlog, name)[slot, :k], getattr(eager.backlog, name)[slot, :k]), name
+        assert lazy.backlog.start[slot] == eager.backlog.start[slot]
 
 
 def test_a_call_reusing_the_last_calls_caches_generates_what_a_fresh_engine_does(tmp_path):

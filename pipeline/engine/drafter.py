@@ -127,6 +127,11 @@ class Backlog:
     step's fill with host counts is appended without reading the device). A row that would hold
     more than `size` starts over from its newest step: the tokens before are a masked gap (`add`
     returns which rows).
+    A plain step of slots 0..r-1, all holding the same count, is held as it is (`add_column`: its
+    column's tensors, no copy) and written into the buffers only when something reads or changes
+    them otherwise (`_flush`: one copy of the held columns); a row that overflows drops its held
+    columns unwritten. Most plain steps then copy nothing: at batch 1 keeping the backlog cost
+    ~45 us of a 0.8 ms plain step (docs/decisions.md, stop 54).
     Example: slot 2 skips positions 40, 41, 42: `take` gives one fill of rows [2], start [40],
     count [3]."""
 
@@ -136,6 +141,9 @@ class Backlog:
         self.ids: torch.Tensor | None = None           # [B, size] the token after each position
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.tokens: dict[int, int] = {}               # slot -> tokens held
+        self.columns: list[tuple] = []   # held, unwritten: (start or None, hidden [r, H], next_ids [r]) ...
+        self.column_rows = 0             # ... of slots 0..r-1 ...
+        self.column_from = 0             # ... from this backlog column on
 
     def __bool__(self) -> bool:
         return bool(self.tokens)
@@ -144,6 +152,7 @@ class Backlog:
         """Append a step's accepted tokens per row; returns the rows (indices into `p`) whose
         older tokens were dropped (their heads' cache has a gap before these)."""
         r, w = p.next_ids.shape
+        self._flush()
         if self.hidden is None:
             self.hidden = p.hidden.new_zeros(self.batch_size, self.size, p.hidden.shape[-1])
             self.ids = p.next_ids.new_zeros(self.batch_size, self.size)
@@ -190,33 +199,69 @@ class Backlog:
             return False
         r = len(slots)
         rows = slice(0, r) if slots == list(range(r)) else p.rows
-        return self.add_column(slots, rows, p.start, p.hidden[:, 0], p.next_ids[:, 0])
+        return self.add_column(slots, rows, p.start, p.hidden[:, 0], p.next_ids[:, 0]) is not None
 
-    def add_column(self, slots, rows, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor) -> bool:
+    def add_column(self, slots, rows, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor,
+                   restart: bool = False) -> bool | None:
         """Append one token to each of `slots` (host ints; `rows`: the same as an index, a slice
         where they are 0..r-1) where all hold the same number of tokens, fewer than the size:
-        `hidden` [r, H] and `next_ids` [r] at positions `start` [r]. False (nothing done)
-        otherwise: the caller takes `add`'s general path."""
+        `hidden` [r, H] and `next_ids` [r] at positions `start` [r]. Slots 0..r-1 hold the
+        column as it is (class docstring). `restart`: where all hold the size already, slots
+        0..r-1 drop their tokens and start over from this one, as `add` would. None (nothing
+        done) otherwise: the caller takes `add`'s general path. Else whether older tokens were
+        dropped."""
         tokens = self.tokens
         col = tokens.get(slots[0], 0) if len(slots) else self.size
-        if col >= self.size or any(tokens.get(s, 0) != col for s in slots):
-            return False
-        if self.hidden is None:
-            self.hidden = hidden.new_zeros(self.batch_size, self.size, hidden.shape[-1])
-            self.ids = next_ids.new_zeros(self.batch_size, self.size)
-        self.hidden[rows, col] = hidden
-        self.ids[rows, col] = next_ids
-        if col == 0:
-            self.start[rows] = start
+        if any(tokens.get(s, 0) != col for s in slots):
+            return None
+        prefix = isinstance(rows, slice)
+        over = col >= self.size
+        if over and not (restart and prefix):
+            return None
+        r = len(slots)
+        if over:                                        # their older tokens: dropped, held ones unwritten
+            if self.column_rows == r:
+                self.columns = []
+            col = 0
+        if prefix and (not self.columns or self.column_rows == r):
+            if not self.columns:
+                self.column_rows, self.column_from = r, col
+            self.columns.append((start if col == 0 else None, hidden, next_ids))
+        else:
+            self._flush()
+            if self.hidden is None:
+                self.hidden = hidden.new_zeros(self.batch_size, self.size, hidden.shape[-1])
+                self.ids = next_ids.new_zeros(self.batch_size, self.size)
+            self.hidden[rows, col] = hidden
+            self.ids[rows, col] = next_ids
+            if col == 0:
+                self.start[rows] = start
         for slot in slots:
             tokens[slot] = col + 1
-        return True
+        return over
+
+    def _flush(self) -> None:
+        """Write the held columns into the buffers (one copy each for hidden states and ids)."""
+        if not self.columns:
+            return
+        columns, self.columns = self.columns, []
+        r, c0, k = self.column_rows, self.column_from, len(columns)
+        first = columns[0]
+        if self.hidden is None:
+            self.hidden = first[1].new_zeros(self.batch_size, self.size, first[1].shape[-1])
+            self.ids = first[2].new_zeros(self.batch_size, self.size)
+        self.hidden[:r, c0:c0 + k] = torch.stack([c[1] for c in columns], dim=1)
+        self.ids[:r, c0:c0 + k] = torch.stack([c[2] for c in columns], dim=1)
+        if first[0] is not None:
+            self.start[:r] = first[0]
 
     def drop(self, slots: list[int]) -> None:
+        self._flush()
         for s in slots:
             self.tokens.pop(s, None)
 
     def move(self, src: int, dst: int) -> None:
+        self._flush()
         n = self.tokens.pop(src, None)
         if n is not None:
             self.hidden[dst], self.ids[dst] = self.hidden[src], self.ids[src]
@@ -227,6 +272,7 @@ class Backlog:
         """Every held row's tokens as one fill (padded to the longest); none held after."""
         if not self.tokens:
             return None
+        self._flush()
         slots = sorted(self.tokens)
         counts = [self.tokens[s] for s in slots]
         rows = torch.tensor(slots, device=self.device)
@@ -341,8 +387,12 @@ class Drafter:
         older tokens are a masked gap: no carry crosses it, nor one from a waiting prompt (`gap`)."""
         if self.column is not None and not self.pending:
             n, start, hidden, next_ids = self.column
-            if self.backlog.add_column(range(n), slice(0, n), start, hidden, next_ids):
+            over = self.backlog.add_column(range(n), slice(0, n), start, hidden, next_ids, restart=True)
+            if over is not None:
                 self.column = None
+                if over:
+                    self.carry_ok[:n] = False
+                    self.gap[:n] = True
                 return
         self._column_to_pending()
         for p in self.pending:
