@@ -848,3 +848,31 @@ def test_generate_decodes_the_same_tokens_on_one_thread_and_two(tmp_path, monkey
         assert set(pools) == {1, 2}
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_c_stack_forward_of_many_tokens_gives_one_threads_bits_on_two(tmp_path, monkeypatch):
+    """A forward of 40 tokens through the C stack on two threads (linears, attention and the
+    layers' row-wise parts split among them) writes the same hidden states and cache entries as
+    on one."""
+    from pipeline.model import native
+    from pipeline.model.cache import Batch, KVCache
+    target, cfg, calls = _c_stack_target(tmp_path, monkeypatch)
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 10), generator=gen)
+    positions = torch.randint(3, 12, (4, 1), generator=gen) + torch.arange(10)
+    fresh = KVCache(cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    fresh.k.normal_(generator=gen), fresh.v.normal_(generator=gen)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            cache = KVCache(cfg.num_layers, 4, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+            cache.k.copy_(fresh.k), cache.v.copy_(fresh.v)
+            with torch.inference_mode(), native.cpu_threads():
+                assert native.pool_threads() == min(t, native._cpus())
+                outs.append((target(tokens, Batch.make(positions, kv_len=32), cache), cache.k, cache.v))
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [(4, 10, cfg.hidden_size)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

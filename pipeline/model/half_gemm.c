@@ -688,6 +688,54 @@ typedef struct {
     const float *qkv_b, *o_b, *gate_up_b, *down_b;
 } Layer;
 
+/* A layer's row-wise parts over rows split among the pool's threads (each row as on one thread):
+ * the input norm, the attention residual with the second norm, SiLU-and-product, the MLP residual. */
+enum { ROW_NORM, ROW_ADD_NORM, ROW_SILU, ROW_ADD };
+
+typedef struct {
+    int op, items, h, inter;
+    size_t m;
+    const Layer *L;
+    const float *x;
+    float *y, *t, *gu, *act;
+} RowJob;
+
+static void row_item(void *ctx, int item) {
+    const RowJob *J = ctx;
+    size_t r0 = J->m * item / J->items, r1 = J->m * (item + 1) / J->items;
+    int h = J->h, inter = J->inter;
+    const Layer *L = J->L;
+    switch (J->op) {
+    case ROW_NORM:
+        rms_norm((int)(r1 - r0), h, J->x + r0 * h, L->norm_in, L->eps_in, J->t + r0 * h);
+        break;
+    case ROW_ADD_NORM:
+        for (size_t i = r0 * h; i < r1 * h; i++) J->y[i] = J->x[i] + J->t[i];
+        rms_norm((int)(r1 - r0), h, J->y + r0 * h, L->norm_post, L->eps_post, J->t + r0 * h);
+        break;
+    case ROW_SILU:
+        for (size_t r = r0; r < r1; r++) {
+            const float *g = J->gu + r * 2 * inter, *u = g + inter;
+            float *o = J->act + r * inter;
+            for (int j = 0; j < inter; j += VW) {
+                vm k = vfirst(inter - j);
+                vstore_m(o + j, k, vmul(vsilu(vload_m(k, g + j)), vload_m(k, u + j)));
+            }
+        }
+        break;
+    default:
+        for (size_t i = r0 * h; i < r1 * h; i++) J->y[i] += J->t[i];
+    }
+}
+
+#define ROWS_PER_ITEM 8     /* rows an item at least: a step's few rows stay on the caller */
+
+static void rows_op(RowJob job) {
+    int threads = pool.active + 1, items = (int)(job.m / ROWS_PER_ITEM);
+    job.items = items < 1 ? 1 : items > 4 * threads ? 4 * threads : items;
+    parallel(row_item, &job, job.items);
+}
+
 /* y = x + attn(norm_in(x)); y += mlp(norm_post(y)) for m = n * q tokens, as DecoderLayer.block with
  * fused q|k|v and gate|up projections: one call where the Python layer makes ~25 (norms, five
  * linears, attention, SiLU-and-product, residuals). silu(g) = g / (1 + e^-g) in float32 (vsilu).
@@ -699,24 +747,16 @@ int decoder_layer(const Layer *L, int n, int q, const float *x, float *y, const 
     size_t m = (size_t)n * q;
     int h = L->hidden, qd = (L->hq + 2 * L->hk) * L->d, ad = L->hq * L->d, inter = L->inter;
     float *t = scratch, *qkv = t + m * h, *a = qkv + m * qd, *gu = a + m * ad, *act = gu + m * 2 * inter;
-    rms_norm((int)m, h, x, L->norm_in, L->eps_in, t);
+    rows_op((RowJob){ROW_NORM, 0, h, inter, m, L, x, y, t, gu, act});
     half_gemm((int)m, h, qd, t, L->qkv, L->qkv_b, qkv);
     if (attend(n, q, L->hq, L->hk, L->d, cap, qkv, cos, sin, rows, pos, kc, vc, valid, vstride, window, scale, a))
         return -1;
     half_gemm((int)m, ad, h, a, L->o, L->o_b, t);
-    for (size_t i = 0; i < m * h; i++) y[i] = x[i] + t[i];
-    rms_norm((int)m, h, y, L->norm_post, L->eps_post, t);
+    rows_op((RowJob){ROW_ADD_NORM, 0, h, inter, m, L, x, y, t, gu, act});
     half_gemm((int)m, h, 2 * inter, t, L->gate_up, L->gate_up_b, gu);
-    for (size_t r = 0; r < m; r++) {
-        const float *g = gu + r * 2 * inter, *u = g + inter;
-        float *o = act + r * inter;
-        for (int j = 0; j < inter; j += VW) {
-            vm k = vfirst(inter - j);
-            vstore_m(o + j, k, vmul(vsilu(vload_m(k, g + j)), vload_m(k, u + j)));
-        }
-    }
+    rows_op((RowJob){ROW_SILU, 0, h, inter, m, L, x, y, t, gu, act});
     half_gemm((int)m, inter, h, act, L->down, L->down_b, t);
-    for (size_t i = 0; i < m * h; i++) y[i] += t[i];
+    rows_op((RowJob){ROW_ADD, 0, h, inter, m, L, x, y, t, gu, act});
     return 0;
 }
 
