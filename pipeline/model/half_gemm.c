@@ -17,6 +17,7 @@
  * compile and the engine keeps torch's kernels. */
 #include <immintrin.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
 #include <math.h>
@@ -331,7 +332,10 @@ static void parallel(item_fn fn, void *ctx, int items) {
     in_job = 1;
     for (int i; (i = atomic_fetch_add(&pool.next, 1)) < items;) fn(ctx, i);
     in_job = 0;
-    while (atomic_load_explicit(&pool.checked_in, memory_order_acquire) < pool.started) _mm_pause();
+    for (int spins = 1; atomic_load_explicit(&pool.checked_in, memory_order_acquire) < pool.started; spins++) {
+        _mm_pause();
+        if ((spins & 4095) == 0) sched_yield();      /* a worker without a core of its own gets one */
+    }
     atomic_flag_clear(&pool.busy);
 }
 
