@@ -153,14 +153,15 @@ def test_plain_steps_are_filled_at_the_next_draft_and_a_full_backlog_leaves_a_ga
 @pytest.mark.parametrize("budgets,schedule,most_held", [
     ([9, 14, 6, 11, 8], [2, 0, 0, 1, 0, 0, 0, 3, 0, 2, 0, 0, 1, 1, 0, 0, 0, 2, 0, 0, 0, 0, 3, 0], 1),
     ([40, 34, 12, 37, 30], [2] + [0] * 20 + [3] + [0] * 40 + [1, 0, 0], 2),
-    ([45, 44, 43, 46, 42], [0] * 40 + [2, 0, 0, 3], 16)])        # plain runs past the backlog's size, held
+    ([45, 20, 43, 46, 42], [0] * 24 + [2, 0, 0, 3] + [0] * 12, 16)])        # plain runs past the backlog's size, held; a row ends
 def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path, monkeypatch, budgets, schedule,
                                                                         most_held):
     """A step whose rows kept one token each hands the heads its column as it is
     (Drafter.add_column), and a plain step that follows holds it in the backlog unwritten
     (Backlog.add_column), written only where a draft, a moving or finishing row or a general
-    append needs it, and dropped unwritten where the backlog overflows. Over plain and drafted
-    steps, five rows of different budgets through three slots, the heads' caches, masks,
+    append needs it (a row ending while others hold columns too), and dropped unwritten where
+    the backlog overflows or every holding row ends. Over plain and drafted steps, five rows of
+    different budgets through three slots, the heads' caches, masks,
     carries and backlog and every output equal those where each step builds its fill."""
     from pipeline.engine.drafter import Backlog, Drafter, PendingFill
     path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)

@@ -129,8 +129,8 @@ class Backlog:
     returns which rows).
     A plain step of slots 0..r-1, all holding the same count, is held as it is (`add_column`: its
     column's tensors, no copy) and written into the buffers only when something reads or changes
-    them otherwise (`_flush`: one copy of the held columns); a row that overflows drops its held
-    columns unwritten. Most plain steps then copy nothing: at batch 1 keeping the backlog cost
+    them otherwise (`_flush`: one copy of the held columns); rows that overflow, or all end, drop
+    their held columns unwritten. Most plain steps then copy nothing: at batch 1 keeping the backlog cost
     ~45 us of a 0.8 ms plain step (docs/decisions.md, stop 54).
     Example: slot 2 skips positions 40, 41, 42: `take` gives one fill of rows [2], start [40],
     count [3]."""
@@ -256,6 +256,8 @@ class Backlog:
             self.start[:r] = first[0]
 
     def drop(self, slots: list[int]) -> None:
+        if self.columns and set(range(self.column_rows)) <= set(slots):
+            self.columns = []                 # every held slot leaves: nothing left to write
         self._flush()
         for s in slots:
             self.tokens.pop(s, None)
