@@ -35,6 +35,10 @@ class Slots:
     def advance(self, n: int, num_accepted: torch.Tensor, emitted: torch.Tensor) -> None:
         """Rows 0..n-1 keep their accepted drafts: lengths grow by accepted + 1 (the last input
         token plus the accepted drafts); the recovered or bonus token becomes the newest token."""
+        if emitted.shape[1] == 1:                  # a plain step: one token a row (~10 us less host work)
+            self.lengths[:n].add_(1)
+            self.last_token[:n] = emitted[:, 0]
+            return
         self.lengths[:n].add_(num_accepted).add_(1)
         self.last_token[:n] = emitted.gather(1, num_accepted[:, None])[:, 0]
 
