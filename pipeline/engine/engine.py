@@ -37,6 +37,12 @@ def _round_positions(t: int, context: int) -> int:
     return max(t, min(-(-t // CACHE_STEP) * CACHE_STEP, context))
 
 
+def _compute_threads(device: torch.device):
+    """On CPU, torch's threads run the C kernels and torch's own ops one
+    (pipeline.model.native.cpu_threads); elsewhere nothing changes."""
+    return native.cpu_threads() if device.type == "cpu" else contextlib.nullcontext()
+
+
 class Engine:
     def __init__(self, loaded, tokenizer=None, max_batch_size: int = 32,
                  gamma_max: int = DEFAULT_GAMMA_MAX):
@@ -69,7 +75,7 @@ class Engine:
                         gamma_max: int = DEFAULT_GAMMA_MAX, allow_pickle: bool = False) -> "Engine":
         """allow_pickle: load *.bin/*.pt weights when there are no safetensors (off: refused)."""
         dev = resolve_device(device)
-        with native.cpu_threads() if dev.type == "cpu" else contextlib.nullcontext():   # kernels timed as run
+        with _compute_threads(dev):               # the kernels' crossovers timed as they will run
             loaded = load_model(path, device=dev, dtype=resolve_dtype(dtype, dev), fuse=True,
                                 allow_pickle=allow_pickle)
         tokenizer = None
@@ -139,9 +145,8 @@ class Engine:
                 ensure_profile(self, context_len, rows, explore)
 
     def threads(self):
-        """The context the engine computes in: on CPU, its threads run the C kernels and torch's
-        own ops one (pipeline.model.native.cpu_threads); elsewhere nothing changes."""
-        return native.cpu_threads() if self.device.type == "cpu" else contextlib.nullcontext()
+        """The context the engine computes in (`_compute_threads`)."""
+        return _compute_threads(self.device)
 
     def note_utilization(self, utilization: float | None) -> None:
         """Utilisation measured over a shard; a large change marks the cost profile stale."""

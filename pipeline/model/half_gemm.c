@@ -225,9 +225,9 @@ static void gemm_columns(int m, int k, int n, const float *x, const uint16_t *w,
  * A pool of `set_threads(t)` - 1 workers beside the calling thread (pipeline/model/native.py sets
  * t to torch's thread count). `parallel(fn, ctx, items)` runs fn(ctx, i) for i < items on the
  * caller and the workers, each taking the next item from a shared counter, and returns when
- * every worker has finished with the job. half_gemm splits its output panels this way and
- * `attend` its (row, kv head) pairs; each item computes what one thread would, in the same
- * order, so results do not depend on the thread count. Workers spin SPIN_NS after a job (a
+ * every worker has finished with the job. half_gemm splits its output panels this way, `attend`
+ * its (row, kv head) pairs and a layer's row-wise parts their rows; each item computes what one
+ * thread would, in the same order, so results do not depend on the thread count. Workers spin SPIN_NS after a job (a
  * step's Python work between C calls is ~0.1-0.3 ms at batch 1), then sleep until the next.
  * A forked child has no workers (its calls run on one thread), a job asked for from within a
  * job or while another thread's runs is run by its caller alone. */
@@ -293,7 +293,7 @@ static void forked_child(void) {      /* the child has none of the parent's work
 }
 
 /* Threads for later calls: the caller and t - 1 workers (created on first need, kept). Returns
- * the threads now in use. Call it between jobs (native.py does, before a step). */
+ * the threads now in use. Call it between jobs (native.cpu_threads does, around the engine's work). */
 int set_threads(int t) {
     static int registered = 0;
     int want = t < 1 ? 0 : (t - 1 > MAX_WORKERS ? MAX_WORKERS : t - 1);
@@ -362,9 +362,9 @@ static void gemm_item(void *ctx, int item) {
 void half_gemm(int m, int k, int n, const float *x, const uint16_t *w, const float *b, float *y) {
     int panels = (n + PANEL - 1) / PANEL, threads = pool.active + 1;
     long work = (long)m * k * PANEL;                 /* multiply-adds a panel */
+    long by_work = work * panels / GEMM_ITEM_WORK;    /* items of at least GEMM_ITEM_WORK */
     int items = panels < 4 * threads ? panels : 4 * threads;
-    if (items > 1 && work * panels / items < GEMM_ITEM_WORK)
-        items = (int)(work * panels / GEMM_ITEM_WORK) > 1 ? (int)(work * panels / GEMM_ITEM_WORK) : 1;
+    if (by_work < items) items = by_work > 1 ? (int)by_work : 1;
     if (threads == 1 || items <= 1) {
         gemm_columns(m, k, n, x, w, b, y, 0, n);
         return;
@@ -519,23 +519,6 @@ BLOCKS(1) BLOCKS(2) BLOCKS(3) BLOCKS(4)
 static void (*const PV[QB + 1])(int, int, int, vm, const float *, int, const float *, float *) =
     {NULL, pv1, pv2, pv3, pv4};
 
-/* One attention layer of a step over a per-row KV cache (pipeline/model/cache.py), for a few
- * query tokens per row: RoPE on q and k, k and v written into the cache at their positions,
- * then each query at position p attends keys j <= p (j > p - window where window > 0) that
- * `valid` allows or that are p itself: softmax(q.k * scale) v, in float32.
- *
- * Why: at batch 1 torch spends ~15 small ops a layer here (index_put writes, RoPE, the mask,
- * SDPA's setup) against a few us of arithmetic.
- * How: per row and kv head, the queries of its q tokens and its group of query heads each score
- * a block of VW keys at once (`qk_rows`), share each value vector read, and the next row and kv
- * head's keys and values are fetched meanwhile (prefetch_rows); scores, softmax and the weighted sum
- * of values run VW lanes wide, and skip the key blocks past each query (a prefill's queries see a
- * growing prefix: pipeline/model/target.py runs one in pieces through decoder_stack).
- *
- * qkv: [n, q, hq + 2 hk, d] (q heads, k heads, v heads); cos, sin: [n, q, d];
- * rows: [n] cache rows (NULL: row i); pos: [n, q]; kc, vc: the layer's [B, hk, cap, d];
- * valid: NULL or bytes [n, vstride] by key position; out: [n, q, hq, d]. Returns 0, or -1 where
- * it could not allocate its scratch. */
 typedef struct {
     int n, q, hq, hk, d, cap, vstride, window, width;
     float scale;
@@ -657,6 +640,23 @@ static void attend_item(void *ctx, int item) {
     }
 }
 
+/* One attention layer of a step over a per-row KV cache (pipeline/model/cache.py), for a few
+ * query tokens per row: RoPE on q and k, k and v written into the cache at their positions,
+ * then each query at position p attends keys j <= p (j > p - window where window > 0) that
+ * `valid` allows or that are p itself: softmax(q.k * scale) v, in float32.
+ *
+ * Why: at batch 1 torch spends ~15 small ops a layer here (index_put writes, RoPE, the mask,
+ * SDPA's setup) against a few us of arithmetic.
+ * How: per row and kv head, the queries of its q tokens and its group of query heads each score
+ * a block of VW keys at once (`qk_rows`), share each value vector read, and the next row and kv
+ * head's keys and values are fetched meanwhile (prefetch_rows); scores, softmax and the weighted sum
+ * of values run VW lanes wide, and skip the key blocks past each query (a prefill's queries see a
+ * growing prefix: pipeline/model/target.py runs one in pieces through decoder_stack).
+ *
+ * qkv: [n, q, hq + 2 hk, d] (q heads, k heads, v heads); cos, sin: [n, q, d];
+ * rows: [n] cache rows (NULL: row i); pos: [n, q]; kc, vc: the layer's [B, hk, cap, d];
+ * valid: NULL or bytes [n, vstride] by key position; out: [n, q, hq, d]. Returns 0, or -1 where
+ * it could not allocate its scratch. */
 int attend(int n, int q, int hq, int hk, int d, int cap, const float *qkv, const float *cos,
            const float *sin, const int64_t *rows, const int64_t *pos, float *kc, float *vc,
            const uint8_t *valid, int vstride, int window, float scale, float *out) {
