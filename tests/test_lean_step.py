@@ -550,7 +550,7 @@ def _without_native(attn, x, batch, cache):
 def _c_stack_target(tmp_path, monkeypatch, arch="llama", config=None):
     """A tiny checkpoint's target with every layer on the C stack (the native GEMM at any rows),
     its config.json updated by `config`; returns (target, its config, the shape of x at each
-    native.decoder_stack call made from then on)."""
+    native.decoder_stack or native.target_forward call made from then on)."""
     import json
     from pipeline.demo.build import store_weights
     from pipeline.model import native, packed
@@ -566,8 +566,10 @@ def _c_stack_target(tmp_path, monkeypatch, arch="llama", config=None):
     engine = Engine.from_pretrained(str(path), device="cpu", max_batch_size=4)
     assert engine.target.native_stack() is not None
     calls = []
-    real = native.decoder_stack
+    real, fused = native.decoder_stack, native.target_forward
     monkeypatch.setattr(native, "decoder_stack", lambda *a: calls.append(tuple(a[1].shape)) or real(*a))
+    monkeypatch.setattr(native, "target_forward",            # the stack inside a step's fused forward
+                        lambda *a: calls.append((*a[1].shape, a[2].shape[1])) or fused(*a))
     return engine.target, engine.config, calls
 
 
@@ -575,9 +577,11 @@ def test_the_target_runs_its_layers_as_one_c_call_with_the_same_bits(tmp_path, m
     """Where every decoder layer is one C call, a step's forward runs them all as one
     (native.decoder_stack): the same outputs and cache writes, bit for bit, as a call per
     layer (rows in order or not, several tokens a row); with one layer's C path off, the
-    target goes back to a call per layer."""
+    target goes back to a call per layer. (The fused step, embedding to norm in one call, is
+    off here: test_a_steps_whole_forward_in_one_c_call_gives_the_same_bits.)"""
     from pipeline.model.cache import Batch, KVCache
     target, cfg, calls = _c_stack_target(tmp_path, monkeypatch)
+    target.fused_step = False
     gen = torch.Generator().manual_seed(5)
     with torch.inference_mode():
         for n, q, rows in ((1, 1, None), (3, 4, [2, 0, 3])):
@@ -598,6 +602,50 @@ def test_the_target_runs_its_layers_as_one_c_call_with_the_same_bits(tmp_path, m
     assert calls == [(1, 1, cfg.hidden_size), (3, 4, cfg.hidden_size)]
     target.model.layers[1].native_layer = None
     assert target.native_stack() is None
+
+
+@pytest.mark.parametrize("arch,window", [("llama", None), ("mistral", 5)])
+def test_a_steps_whole_forward_in_one_c_call_gives_the_same_bits(tmp_path, monkeypatch, arch, window):
+    """A cached step's forward as one C call (native.target_forward: embedding rows, rotary rows,
+    the stack, the final norm) gives the outputs and cache writes of the separate calls, bit for
+    bit: rows in order or not, several tokens a row, a key mask, a sliding window, and a step
+    past NATIVE_NORM_ROWS tokens whose norm stays torch's. A prefill from position 0 and a
+    batch with its rotary rows attached are not taken."""
+    from pipeline.model import native
+    from pipeline.model.cache import Batch, KVCache
+    from pipeline.model.layers import NATIVE_NORM_ROWS
+    target, cfg, _ = _c_stack_target(tmp_path, monkeypatch, arch, {"sliding_window": window} if window else None)
+    fused = []
+    real = native.target_forward
+    monkeypatch.setattr(native, "target_forward", lambda *a: fused.append(tuple(a[1].shape)) or real(*a))
+    gen = torch.Generator().manual_seed(7)
+    big = NATIVE_NORM_ROWS // 4 + 1                     # 4 rows x this: past the C norm's rows
+    shapes = ((1, 1, None, False), (3, 4, [2, 0, 3], False), (2, 3, [1, 3], True), (4, big, None, False))
+    with torch.inference_mode():
+        for n, q, rows, masked in shapes:
+            tokens = torch.randint(0, cfg.vocab_size, (n, q), generator=gen)
+            positions = torch.randint(3, 20, (n, 1), generator=gen) + torch.arange(q)
+            width = 20 + q + 1
+            valid = torch.rand(n, width, generator=gen) < 0.7 if masked else None
+            fresh = KVCache(cfg.num_layers, 4, 128, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+            fresh.k.normal_(generator=gen), fresh.v.normal_(generator=gen)
+            outs = []
+            for on in (True, False):
+                target.fused_step = on
+                cache = KVCache(cfg.num_layers, 4, 128, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+                cache.k.copy_(fresh.k), cache.v.copy_(fresh.v)
+                batch = Batch.make(positions, rows=None if rows is None else torch.tensor(rows), kv_len=width,
+                                   key_valid=valid)
+                outs.append((target(tokens, batch, cache), cache.k, cache.v))
+            assert all(torch.equal(a, b) for a, b in zip(*outs))
+        assert fused == [(n, q) for n, q, _, _ in shapes]
+        target.fused_step = True
+        cache = KVCache(cfg.num_layers, 2, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        target(torch.zeros(2, 5, dtype=torch.long), Batch.from_start(2, 5, "cpu"), cache)          # a prefill
+        batch = Batch.make(torch.tensor([[5], [6]]), kv_len=7)
+        target.attach_rope(batch)
+        target(torch.zeros(2, 1, dtype=torch.long), batch, cache)                                   # rope attached
+        assert len(fused) == len(shapes)
 
 
 @pytest.mark.parametrize("arch,window", [("llama", None), ("mistral", 5)])

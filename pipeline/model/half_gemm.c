@@ -779,6 +779,31 @@ int decoder_stack(const Layer *const *L, int nl, int n, int q, float *x, const f
     return 0;
 }
 
+static void rope_rows(size_t m, int d, const int64_t *pos, const float *cos_t, const float *sin_t, float *cs,
+                      float *sn);
+
+/* A target's cached forward in one call (TargetModel.forward): the embedding rows of tokens ids
+ * [n, q] (table [V, hidden] float32), the rotary rows of their positions (tables cos_t, sin_t by
+ * position, sin folded), `decoder_stack`, then the final norm (weight nw, eps neps) into y [n, q,
+ * hidden]; nw NULL: y holds the last layer's output, unnormed. Gathers and norm are the torch
+ * path's values (copies, and `rms_norm`): the same bits, where Python spent ~10 small torch ops a
+ * step around the stack. The other arguments as decoder_stack's; scratch: floats for n q (hidden
+ * + 2 d) and decoder_stack's. */
+int target_forward(const Layer *const *L, int nl, int n, int q, int hd, const int64_t *ids, const float *table,
+                   const float *cos_t, const float *sin_t, const float *nw, float neps, const int64_t *rows,
+                   const int64_t *pos, float *kc, float *vc, size_t lstride, int cap, const uint8_t *valid,
+                   int vstride, const int *window, const float *scale, float *y, float *scratch) {
+    size_t m = (size_t)n * q;
+    int d = L[0]->d;
+    float *x = nw ? scratch : y, *cs = scratch + m * hd, *sn = cs + m * d, *rest = sn + m * d;
+    for (size_t t = 0; t < m; t++) memcpy(x + t * hd, table + (size_t)ids[t] * hd, sizeof(float) * hd);
+    rope_rows(m, d, pos, cos_t, sin_t, cs, sn);
+    if (decoder_stack(L, nl, n, q, x, cs, sn, rows, pos, kc, vc, lstride, cap, valid, vstride, window, scale, rest))
+        return -1;
+    if (nw) rms_norm((int)m, hd, x, nw, neps, y);
+    return 0;
+}
+
 /* An MTP head's input projection (pipeline/model/mtp.py): x = eh_proj([enorm(embed(t)), hnorm(h)]). */
 typedef struct {
     int hidden;

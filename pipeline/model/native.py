@@ -205,6 +205,11 @@ def load(path: Path):
         lib.decoder_stack.argtypes = ([ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 7
                                       + [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
                                       + [ctypes.c_void_p] * 3)
+    if hasattr(lib, "target_forward"):
+        lib.target_forward.restype = ctypes.c_int
+        lib.target_forward.argtypes = ([ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 5 + [ctypes.c_float]
+                                       + [ctypes.c_void_p] * 4 + [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+                                                                  ctypes.c_int] + [ctypes.c_void_p] * 4)
     lib.mtp_forward.restype = ctypes.c_int
     lib.mtp_forward.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 9
                                 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p])
@@ -418,6 +423,33 @@ def decoder_stack(stack: NativeStack, x: torch.Tensor, positions: torch.Tensor, 
         _ptr(valid), stride, stack.windows, stack.scales, scratch.data_ptr())
     if status:
         raise MemoryError("decoder_stack: no memory for attention's scratch")
+    return y
+
+
+def target_forward(stack: NativeStack, ids: torch.Tensor, table: torch.Tensor, cos_t: torch.Tensor,
+                   sin_t: torch.Tensor, norm: tuple[torch.Tensor, float] | None, positions: torch.Tensor,
+                   rows: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   valid: torch.Tensor | None) -> torch.Tensor:
+    """The embedding of token ids [n, q] (table [V, hidden] float32, contiguous), `decoder_stack`
+    at `positions` with the rotary rows of tables cos_t, sin_t [> max position, head_dim] (sin
+    folded, contiguous), then `norm` (its weight and eps; None: none), in one C call -> [n, q,
+    hidden]: TargetModel.forward's values with one call where it made ~10 small torch calls."""
+    n, q = positions.shape
+    hidden, d = table.shape[1], cos_t.shape[1]
+    cos_t, sin_t = cos_t.contiguous(), sin_t.contiguous()
+    y = torch.empty(n, q, hidden)
+    scratch = torch.empty(n * q * (hidden + 2 * d + stack.scratch))
+    ids, positions = ids.contiguous(), positions.contiguous()
+    rows = None if rows is None else rows.contiguous()
+    valid, stride = _valid_rows(valid)
+    weight, eps = norm if norm is not None else (None, 0.0)
+    status = stack.lib.target_forward(
+        stack.refs, len(stack.layers), n, q, hidden, ids.data_ptr(), table.data_ptr(), cos_t.data_ptr(),
+        sin_t.data_ptr(), _ptr(weight), eps, _ptr(rows), positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.stride(0), k_cache.shape[3], _ptr(valid), stride, stack.windows, stack.scales, y.data_ptr(),
+        scratch.data_ptr())
+    if status:
+        raise MemoryError("target_forward: no memory for attention's scratch")
     return y
 
 

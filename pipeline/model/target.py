@@ -9,7 +9,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
-from pipeline.model.layers import DecoderLayer, RMSNorm, fold_sin, native_step, native_tokens
+from pipeline.model.layers import (NATIVE_ATTN_TOKENS, NATIVE_NORM_ROWS, DecoderLayer, RMSNorm, fold_sin, native_step,
+                                   native_tokens)
 from pipeline.model.packed import cpu_linear, pack_linears_
 
 
@@ -41,6 +42,7 @@ class TargetModel(nn.Module):
         self._rope_sin: torch.Tensor | None = None
         self.rope_table = True                      # False: rotary per forward (benchmark baseline)
         self._native_stack = (None, None)           # (the layers' native_layer, their stack): `native_stack`
+        self.fused_step = True                      # False: a step's embedding, stack and norm as separate calls
 
     def pack_(self) -> None:
         """Inference on CPU: linears stored [in, out], the tied output head too (a transposed copy
@@ -86,9 +88,12 @@ class TargetModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         """tokens: [n, q] at `batch.positions`. Returns final-norm'ed hidden states [n, q, hidden]."""
+        stack = self.native_stack()
+        fused = self._fused_step(tokens, batch, cache, stack)
+        if fused is not None:
+            return fused
         self.attach_rope(batch)
         x = self.embed(tokens)
-        stack = self.native_stack()
         if cache is None or not cache.k.is_contiguous():
             stack = None                                # the C stack reads the whole cache's layout
         if stack is not None and native_step(x, batch, cache, stack.max_tokens):
@@ -100,6 +105,32 @@ class TargetModel(nn.Module):
             for i, layer in enumerate(self.model.layers):
                 x = layer.block(x, batch, cache, i)
         return self.model.norm.forward(x)
+
+    def _fused_step(self, tokens: torch.Tensor, batch: Batch, cache: KVCache | None,
+                    stack: native.NativeStack | None) -> torch.Tensor | None:
+        """A cached step's whole forward as one C call (native.target_forward: the embedding and
+        rotary rows, the stack, the final norm where it takes the C kernel), or None where the
+        step is not one the C stack takes as it stands (`native_step`), or its parts are not
+        plain float32 tables. Its values are the module path's; it saves ~10 small torch calls
+        a step, each slow after the stack has streamed the weights through the caches."""
+        if (not self.fused_step or stack is None or cache is None or batch.cos is not None or batch.from_zero
+                or tokens.dtype != torch.long):
+            return None
+        table = self.model.embed_tokens.weight
+        n = tokens.shape[0] * tokens.shape[1]
+        if (not hasattr(stack.lib, "target_forward") or table.dtype != torch.float32 or not table.is_contiguous()
+                or not cache.k.is_contiguous() or cache.k.dtype != torch.float32 or n > NATIVE_ATTN_TOKENS
+                or (stack.max_tokens is not None and n > stack.max_tokens) or torch.is_grad_enabled()):
+            return None
+        tables = self.rope_tables(batch.kv_len)
+        if tables is None:
+            return None
+        norm = self.model.norm
+        c_norm = norm.native is not None and norm.weight.dtype == torch.float32 and n <= NATIVE_NORM_ROWS
+        y = native.target_forward(stack, tokens, table, tables[0], tables[1], (norm.weight, norm.eps) if c_norm else None,
+                                  batch.positions, None if batch.prefix else batch.rows, cache.k, cache.v,
+                                  batch.key_valid)
+        return y if c_norm else norm.forward(y)
 
     @staticmethod
     def _native_prefill(x: torch.Tensor, batch: Batch, cache: KVCache | None, stack: native.NativeStack) -> bool:
