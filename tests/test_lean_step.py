@@ -295,6 +295,37 @@ def test_the_c_kernels_give_one_threads_bits_on_several(threads, kernels):
         assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+def _c_argmax(lib, x):
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    lib.argmax_rows(x.shape[0], x.shape[1], x.contiguous().data_ptr(), out.data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_c_argmax_is_torchs_on_ties_nans_and_infinities(threads, kernels):
+    """half_gemm.c `argmax_rows` (greedy decoding's pick, native.argmax) gives torch.argmax's
+    index: the first of equal largest values, the first NaN where a row has one, infinities and
+    all -inf rows, rows not a whole number of vectors long, rows split over a pool."""
+    from pipeline.model import native
+    gen = torch.Generator().manual_seed(11)
+    odd = torch.randn(9, 6144 + 5, generator=gen)
+    odd[0, 40] = odd[0, 4000] = 9.0                           # a tie: the first
+    odd[1, 4001] = odd[1, 77] = float("nan")                  # NaNs: the first
+    odd[2, 6146] = float("inf")                               # in the tail past the vectors
+    odd[3] = float("-inf")
+    odd[4, 2], odd[4, 5000] = float("inf"), float("inf")
+    odd[5] = 0.0
+    odd[5, 3] = -0.0
+    odd[6, 6148] = 50.0                                       # the largest in the tail
+    odd[7, :3] = float("nan")
+    for x in (odd, torch.randn(40, 6144, generator=gen), torch.randn(3, 7, generator=gen)):
+        with _Pool(kernels, threads):
+            assert torch.equal(_c_argmax(kernels, x), x.argmax(-1))
+    x = torch.randn(2, 3, 100, generator=gen)
+    assert torch.equal(native.argmax(x), x.argmax(-1))       # [..., V] -> [...]
+    assert torch.equal(native.argmax(x.double()), x.double().argmax(-1))   # not float32: torch's
+
+
 def _forked_gemm(lib_path, queue):
     from pipeline.model import native
     torch.set_num_threads(1)            # torch's own OpenMP team does not survive a fork (its matmuls hang)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
-from pipeline.spec_decode.sampling import argmax_last
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _verify_fn(engine, cache, rows: int, ctx: int, q: int, gen):
 
     def step():
         hidden = engine.target(tokens, Batch.make(positions), cache)
-        return argmax_last(engine.target.logits(hidden))
+        return native.argmax(engine.target.logits(hidden))
     return step
 
 

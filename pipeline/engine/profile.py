@@ -14,8 +14,8 @@ import time
 
 import torch
 
+from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
-from pipeline.spec_decode.sampling import argmax_last
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -62,7 +62,7 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
 
                 def verify():
                     logits = engine.target.logits(engine.target(tokens, Batch.make(positions), cache))
-                    return argmax_last(logits)
+                    return native.argmax(logits)
 
                 v = timed(verify)
                 cost = {"depth": 0.0, "row": 0.0}

@@ -25,11 +25,12 @@ from pipeline.engine.params import SamplingParams
 from pipeline.engine.warm_start import ensure_profile
 from pipeline.engine.rows import Row
 from pipeline.engine.slots import Slots
+from pipeline.model import native
 from pipeline.model.cache import Batch
 from pipeline.spec_decode import rng
-from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample, rejection_sample_ragged
+from pipeline.spec_decode.acceptance import coupled_accept, rejection_sample, rejection_sample_ragged
 from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext
-from pipeline.spec_decode.sampling import GREEDY_PICK, argmax_last, filtered_probs, sample
+from pipeline.spec_decode.sampling import GREEDY_PICK, filtered_probs, sample
 from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
 
 if TYPE_CHECKING:
@@ -290,11 +291,11 @@ class GenerateRun:
     # ---- sampling ------------------------------------------------------------------------------
     # Coupled (pipeline/engine/coupled.py): the target and the drafts pick with the same keyed
     # noise per position, a draft is kept when it equals the target's token. Rejection: the
-    # min(1, p/q) rule with one uniform per decision. Greedy: argmax (argmax_last).
+    # min(1, p/q) rule with one uniform per decision. Greedy: argmax (native.argmax).
     def _pick_draft(self, logits, keys, positions):
         p = self.params
         if p.greedy:
-            return argmax_last(logits), None
+            return native.argmax(logits), None
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)                  # [n, V]
         if self.coupled:
             return self.coupled.draft(probs, keys, positions), None
@@ -304,7 +305,7 @@ class GenerateRun:
         """logits [n, V] or [n, q, V]; positions [n] or [n, q]: where the sampled tokens land."""
         p = self.params
         if p.greedy:
-            return argmax_last(logits)
+            return native.argmax(logits)
         probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
         if self.coupled:
             return self.coupled.target(probs, keys, positions)
@@ -315,8 +316,8 @@ class GenerateRun:
         draft_len: [n] drafts per row (padded slots are PAD and never match), else all gamma;
         one_hot: [n] rows whose drafts are deterministic (q one-hot: acceptance.rejection_sample_ragged)."""
         p = self.params
-        if p.greedy:
-            return greedy_accept(drafts, logits)
+        if p.greedy:                        # greedy_accept's rule, the argmax on the C pool where it runs
+            return coupled_accept(drafts, native.argmax(logits))
         out_pos = positions + 1
         if self.coupled:
             return coupled_accept(drafts, self._sample_target(logits, keys, out_pos))

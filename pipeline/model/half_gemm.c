@@ -64,6 +64,7 @@ static inline vf vload_m(vm m, const float *p) { return _mm512_maskz_loadu_ps(m,
 static inline void vstore_m(float *p, vm m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
 static inline vf vsel(vm m, vf a, vf b) { return _mm512_mask_mov_ps(b, m, a); }
 static inline vm vneq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
+static inline int veq_bits(vf a, vf b) { return (int)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 static inline vi iset(int a) { return _mm512_set1_epi32(a); }
 static inline vi ilane(void) { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 static inline vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
@@ -138,6 +139,7 @@ static inline vf vload_m(vm m, const float *p) { return _mm256_maskload_ps(p, m)
 static inline void vstore_m(float *p, vm m, vf v) { _mm256_maskstore_ps(p, m, v); }
 static inline vf vsel(vm m, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
 static inline vm vneq(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_NEQ_OQ)); }
+static inline int veq_bits(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
 static inline vm vlt(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
 static inline vm ieq(vi a, vi b) { return _mm256_cmpeq_epi32(a, b); }
 static inline vm ile(vi a, vi b) { return _mm256_xor_si256(_mm256_cmpgt_epi32(a, b), _mm256_set1_epi32(-1)); }
@@ -936,4 +938,60 @@ int mtp_greedy(const MtpInput *M, const Layer *L, const float *nw, float neps, c
     }
     free(vis);
     return 0;
+}
+
+/* The first index of the largest of v floats, or of the first NaN where there is one: torch.argmax's
+ * rule. One vector pass takes the largest value, with x * 0 summed alongside (NaN where any value
+ * is NaN or infinite); where that flags nothing a scalar pass finds the value's first index, else
+ * a scalar pass applies the rule value by value. */
+static int64_t argmax_row(int v, const float *x) {
+    vf mx = vset(-INFINITY), odd = vzero(), zero = vzero();
+    int i = 0;
+    for (; i + VW <= v; i += VW) {
+        vf t = vload(x + i);
+        mx = vmax(mx, t);
+        odd = vadd(odd, vmul(t, zero));
+    }
+    float m = vhmax(mx), flag = vsum(odd);
+    for (; i < v; i++) {
+        m = x[i] > m ? x[i] : m;
+        flag += x[i] * 0.0f;
+    }
+    if (flag == 0.0f) {                  /* every value finite: the first that equals the largest */
+        vf mv = vset(m);
+        for (i = 0; i + VW <= v; i += VW) {
+            int bits = veq_bits(vload(x + i), mv);
+            if (bits) return i + __builtin_ctz((unsigned)bits);
+        }
+        for (; i < v; i++)
+            if (x[i] == m) return i;
+    }
+    int64_t best = 0;
+    for (i = 0; i < v; i++) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > x[best]) best = i;
+    }
+    return best;
+}
+
+typedef struct {
+    int n, v, items;
+    const float *x;
+    int64_t *out;
+} ArgmaxJob;
+
+static void argmax_item(void *ctx, int item) {
+    const ArgmaxJob *J = ctx;
+    int r0 = (int)((int64_t)J->n * item / J->items), r1 = (int)((int64_t)J->n * (item + 1) / J->items);
+    for (int r = r0; r < r1; r++) J->out[r] = argmax_row(J->v, J->x + (size_t)r * J->v);
+}
+
+#define ARGMAX_ITEM_VALUES 32768   /* values an item at least: a step's few rows stay on the caller */
+
+/* out[r] = argmax of row r of x [n, v] (argmax_row's rule), rows split across the pool. */
+void argmax_rows(int n, int v, const float *x, int64_t *out) {
+    int threads = pool.active + 1, items = (int)((int64_t)n * v / ARGMAX_ITEM_VALUES);
+    items = items < 1 ? 1 : items > n ? n : items > 4 * threads ? 4 * threads : items;
+    ArgmaxJob job = {n, v, items, x, out};
+    parallel(argmax_item, &job, items);
 }
