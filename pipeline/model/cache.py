@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.model import pages
+
 
 @dataclass
 class Batch:
@@ -87,8 +89,11 @@ class KVCache:
     def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)   # [layers, rows, kv_heads, T, d]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":       # read every step: on 2 MB pages (pipeline.model.pages)
+            self.k, self.v = pages.zeros(shape, dtype), pages.zeros(shape, dtype)   # [layers, rows, kv_heads, T, d]
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
 
     def fits(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int) -> bool:

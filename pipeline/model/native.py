@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.model import pages
 from pipeline.spec_decode.sampling import argmax_last
 
 SOURCE = Path(__file__).with_name("half_gemm.c")
@@ -242,7 +243,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=torch.float16)
     padded[:n] = weight.detach().to("cpu", torch.float16)
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    out = pages.empty((panels, k, PANEL), torch.float16)      # streamed every step: on 2 MB pages
+    out.copy_(padded.view(panels, PANEL, k).transpose(1, 2))
+    return out
 
 
 def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
