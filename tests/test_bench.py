@@ -75,6 +75,30 @@ def test_a_cell_of_more_prompts_than_its_batch_runs_transformers_at_that_batch(t
     assert seen and set(seen) == {1} and len(seen) == 1 + 2 * 4     # warm-up, then 4 prompts per system
 
 
+def test_auto_runs_on_an_engine_of_its_own_unless_shared(tmp_path, monkeypatch):
+    """bench.auto_engine: "own" puts auto's systems on a second engine, so the prices it reads
+    come from its own steps only (as in a job), the fixed gammas' calls on the first; "shared"
+    runs every system on one engine."""
+    import pipeline.bench.runner as runner
+
+    model = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05)
+    data = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"task": ["complete"] * 2, "text": [f"def f{i}(a, b):" for i in range(2)]}), data)
+    calls, real = [], runner.run_engine
+    monkeypatch.setattr(runner, "run_engine", lambda e, p, pr, gamma, *a, **k:
+                        calls.append((e, isinstance(gamma, int))) or real(e, p, pr, gamma, *a, **k))
+    for mode in ("own", "shared"):
+        calls.clear()
+        spec = BenchSpec(model_path=model, data_path=str(data), out_dir=str(tmp_path / mode), batches=(1,),
+                         tasks=("complete",), temperatures=(0.0,), prompt_lengths=("short",), gammas=(0, 2),
+                         transformers=False, max_new_tokens=4, reps=2, device="cpu", auto_engine=mode)
+        result = run_matrix(spec, log=lambda *_: None)
+        fixed = {id(e) for e, is_fixed in calls if is_fixed}
+        auto = {id(e) for e, is_fixed in calls if not is_fixed}
+        assert len(calls) == 6 and len(fixed) == len(auto) == 1
+        assert (fixed == auto) == (mode == "shared") and fixed == {id(result["engine"])}
+
+
 def test_bench_quick_job_runs_through_hydra(tmp_path):
     import subprocess
     import sys

@@ -46,6 +46,7 @@ class BenchSpec:
     min_rows: int = 1                      # prompts per cell at least (a batch-1 cell decodes them in turn)
     gamma_max: int = 0                     # caps auto (0: the largest of `gammas`)
     index_rows: int = 480                  # rows of each task (not the cells') whose outputs seed the n-gram index
+    auto_engine: str = "own"               # "own": auto's systems on an engine of their own; "shared": one engine
 
 
 @dataclass
@@ -63,13 +64,24 @@ class Cell:
 
 @dataclass
 class Systems:
-    """What the systems run on: the engine, transformers' model (None when not measured)."""
+    """What the systems run on: the engine of the fixed gammas, transformers' model (None when
+    not measured), and the engine of the systems whose gamma auto chooses (`auto`; the same
+    engine where BenchSpec.auto_engine is "shared"). On an engine of its own, auto prices shapes
+    by its own steps only, as in a job; on a shared one the fixed gammas' calls set the prices
+    it reads (docs/decisions.md, stop 55)."""
     engine: Engine
     hf: object | None
     pad_id: int
     eos_ids: tuple
     roofline: Roofline
     indexes: dict = field(default_factory=dict)     # task -> the n-gram index each timed call starts from
+    auto: Engine | None = None
+
+    def __post_init__(self):
+        self.auto = self.auto or self.engine
+
+    def engines(self) -> list[Engine]:
+        return [self.engine] if self.auto is self.engine else [self.engine, self.auto]
 
 
 def load_systems(spec: BenchSpec) -> Systems:
@@ -86,7 +98,14 @@ def load_systems(spec: BenchSpec) -> Systems:
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (eos or (0,))[0]
     roofline = measure_roofline(engine)
     engine.ensure_profile()
-    return Systems(engine, hf, pad, () if spec.ignore_eos else eos, roofline)
+    auto = None
+    if spec.auto_engine == "own" and (spec.auto or spec.drafts or spec.layouts):
+        auto = Engine.from_pretrained(spec.model_path, device=spec.device, max_batch_size=max(spec.batches),
+                                      gamma_max=spec.gamma_max or max(spec.gammas))
+        auto.ensure_profile()
+    elif spec.auto_engine not in ("own", "shared"):
+        raise ValueError(f"bench.auto_engine must be own or shared, not {spec.auto_engine!r}")
+    return Systems(engine, hf, pad, () if spec.ignore_eos else eos, roofline, auto=auto)
 
 
 def cell_prompts(spec: BenchSpec, engine: Engine, task: str, length: str, n: int) -> list[list[int]]:
@@ -136,19 +155,20 @@ def task_indexes(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
 
 
 def warm_up(spec: BenchSpec, sut: Systems, cells: list[Cell]) -> dict:
-    """One untimed call per cell and system kind; returns auto's acceptance prior per cell, as
-    earlier shards of the task give it (from at least 8 rows)."""
+    """One untimed call per cell and system kind on each engine; returns auto's acceptance prior
+    per cell, as earlier shards of the task give it (from at least 8 rows)."""
     priors = {}
     for cell in cells:
-        sut.engine.max_batch_size = cell.batch
         warm = cell.prompts if cell.batch >= 8 else cell_prompts(spec, sut.engine, cell.task, cell.prompt_length, 8)
-        sut.engine.generate(warm, _params(spec, cell), gamma=sut.engine.auto_policy(task=cell.task),
-                            draft="mtp" if "mtp" in sut.engine.draft_names else "none", task=cell.task)
-        priors[cell.key()] = sut.engine.last_stats.counts()
+        for engine in sut.engines():
+            engine.max_batch_size = cell.batch
+            engine.generate(warm, _params(spec, cell), gamma=engine.auto_policy(task=cell.task),
+                            draft="mtp" if "mtp" in engine.draft_names else "none", task=cell.task)
+            priors[cell.key()] = engine.last_stats.counts()      # the auto engine's (the last)
         if spec.drafts or spec.layouts:        # the n-gram source's acceptance by match length, likewise
             _fresh_index(sut, cell)
-            sut.engine.ngram_evidence.pop(cell.task, None)
-            sut.engine.generate(warm, _params(spec, cell), gamma="auto", draft="ngram", task=cell.task)
+            sut.auto.ngram_evidence.pop(cell.task, None)
+            sut.auto.generate(warm, _params(spec, cell), gamma="auto", draft="ngram", task=cell.task)
         if sut.hf is not None:
             run_transformers(sut.hf, cell.prompts[:1], _params(spec, cell, new=4), sut.pad_id, sut.eos_ids)
     return priors
@@ -164,34 +184,38 @@ def measure(spec: BenchSpec, sut: Systems, cell: Cell, name: str, prior) -> Meas
     if name.startswith("draft="):
         draft, _, layout = name.split("=")[1].partition("/")
         _fresh_index(sut, cell)
-        sut.engine.verify_layout = layout or "auto"
+        sut.auto.verify_layout = layout or "auto"
         try:
-            return run_engine(sut.engine, cell.prompts, params, sut.engine.auto_policy(prior=prior, task=cell.task), sut.roofline,
+            return run_engine(sut.auto, cell.prompts, params, sut.auto.auto_policy(prior=prior, task=cell.task), sut.roofline,
                               draft=draft, task=cell.task)
         finally:
-            sut.engine.verify_layout = "auto"
-    gamma = sut.engine.auto_policy(prior=prior, task=cell.task) if name == "auto" else int(name.split("=")[1])
-    mtp_only = "mtp" if "mtp" in sut.engine.draft_names else "none"   # "auto": the heads' policy alone
-    return run_engine(sut.engine, cell.prompts, params, gamma, sut.roofline, draft=mtp_only if name == "auto" else "auto",
+            sut.auto.verify_layout = "auto"
+    if name == "auto":
+        mtp_only = "mtp" if "mtp" in sut.auto.draft_names else "none"   # the heads' policy alone
+        return run_engine(sut.auto, cell.prompts, params, sut.auto.auto_policy(prior=prior, task=cell.task), sut.roofline,
+                          draft=mtp_only, task=cell.task)
+    return run_engine(sut.engine, cell.prompts, params, int(name.split("=")[1]), sut.roofline, draft="auto",
                       task=cell.task)
 
 
 def _fresh_index(sut: Systems, cell: Cell) -> None:
-    """The task's n-gram index as the warm-up left it (pipeline.bench.runner.task_indexes)."""
+    """The task's n-gram index on the auto engine as the warm-up left it
+    (pipeline.bench.runner.task_indexes)."""
     import copy
 
     seed = sut.indexes.get(cell.task)
     if seed is None:
-        sut.engine.task_indexes.pop(cell.task, None)
+        sut.auto.task_indexes.pop(cell.task, None)
     else:
-        sut.engine.task_indexes[cell.task] = copy.deepcopy(seed)
+        sut.auto.task_indexes[cell.task] = copy.deepcopy(seed)
 
 
 def time_cells(spec: BenchSpec, sut: Systems, cells: list[Cell], priors: dict, log=print) -> None:
     """`spec.reps` interleaved repetitions of every system in every cell, into `cell.results`."""
     for rep in range(spec.reps):
         for cell in cells:
-            sut.engine.max_batch_size = cell.batch
+            for engine in sut.engines():
+                engine.max_batch_size = cell.batch
             for name in run_order(systems_for(spec, cell.batch), rep):
                 m = measure(spec, sut, cell, name, priors[cell.key()])
                 cell.results.setdefault(name, []).append(m)
