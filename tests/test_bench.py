@@ -97,6 +97,8 @@ def test_auto_runs_on_an_engine_of_its_own_unless_shared(tmp_path, monkeypatch):
         auto = {id(e) for e, is_fixed in calls if not is_fixed}
         assert len(calls) == 6 and len(fixed) == len(auto) == 1
         assert (fixed == auto) == (mode == "shared") and fixed == {id(result["engine"])}
+        engines = {id(e): e for e, _ in calls}
+        assert len({id(e.target) for e in engines.values()}) == 1           # one set of weights
 
 
 def test_bench_quick_job_runs_through_hydra(tmp_path):

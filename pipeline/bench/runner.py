@@ -66,9 +66,10 @@ class Cell:
 class Systems:
     """What the systems run on: the engine of the fixed gammas, transformers' model (None when
     not measured), and the engine of the systems whose gamma auto chooses (`auto`; the same
-    engine where BenchSpec.auto_engine is "shared"). On an engine of its own, auto prices shapes
-    by its own steps only, as in a job; on a shared one the fixed gammas' calls set the prices
-    it reads (docs/decisions.md, stop 55)."""
+    engine where BenchSpec.auto_engine is "shared"). An engine of its own holds the same loaded
+    model (weights shared, so no copy's memory or placement differs) with its own caches, cost
+    tracker and policy state: auto prices shapes by its own steps only, as in a job; on a shared
+    one the fixed gammas' calls set the prices it reads (docs/decisions.md, stop 55)."""
     engine: Engine
     hf: object | None
     pad_id: int
@@ -100,8 +101,8 @@ def load_systems(spec: BenchSpec) -> Systems:
     engine.ensure_profile()
     auto = None
     if spec.auto_engine == "own" and (spec.auto or spec.drafts or spec.layouts):
-        auto = Engine.from_pretrained(spec.model_path, device=spec.device, max_batch_size=max(spec.batches),
-                                      gamma_max=spec.gamma_max or max(spec.gammas))
+        auto = Engine(engine.model, engine.tokenizer, max_batch_size=engine.max_batch_size,   # the same weights
+                      gamma_max=engine.gamma_max)
         auto.ensure_profile()
     elif spec.auto_engine not in ("own", "shared"):
         raise ValueError(f"bench.auto_engine must be own or shared, not {spec.auto_engine!r}")
