@@ -114,6 +114,30 @@ def test_engine_measures_each_steps_overhead_and_the_model_carries_it(tmp_path):
             [model.step_s(st.rows, g, st.context_len) for g in range(3)])
 
 
+def test_a_gammas_price_leaves_out_the_work_any_gamma_pays(tmp_path):
+    """Choosing the gamma and releasing finished rows (StepRecord.shared_s) are paid whatever
+    the gamma; they fall mostly on plain steps in an auto call (each row's last step, the steps
+    measuring plain decoding), so a shape's price leaves them out: two gammas whose steps differ
+    only by that work are priced alike. The engine records it, within each step's overhead."""
+    from pipeline.engine import SamplingParams
+    truth = CostModel((1e-3, 1e-5, 0.0, 0.0), 1.0, (2e-4, 1e-6, 2e-4, 1e-6), 0)
+    tracker = CostTracker()
+    tracker.set_profile([StepRecord(g, r, g + 1, 100, truth.verify_s(r, g + 1, 100), truth.draft_s(r, g), 0)
+                         for r in (1, 4, 16) for g in range(3)])
+    model = tracker.model()
+    for g, shared in ((0, 0.5e-3), (1, 0.0)):       # gamma 0's steps carry 0.5 ms of release and choice
+        for _ in range(MIN_LOCAL):
+            v, d = truth.verify_s(1, g + 1, 100), truth.draft_s(1, g)
+            tracker.record(StepRecord(g, 1, g + 1, 100, 2 * v, 2 * d, g + 1, shared, shared_s=shared))
+    assert model.step_s(1, 0, 100) == pytest.approx(2 * truth.compute_s(1, 0, 100), rel=1e-6)
+    assert model.local_factor(1, 0, 100) == pytest.approx(model.local_factor(1, 1, 100), rel=1e-6)
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2, gamma_max=2)
+    engine.generate([[5, 6, 7], [8, 9], [4, 4]], SamplingParams(max_new_tokens=6, ignore_eos=True), gamma="auto")
+    steps = engine.last_stats.steps
+    assert all(0 < s.shared_s <= s.overhead_s for s in steps)
+
+
 def test_a_step_is_priced_at_the_context_its_longest_row_attends(tmp_path):
     """A verify attends every row over the longest row's cache (pipeline.model.cache.Batch:
     kv_len is the largest position), so a step's cost sample and its policy price that length,

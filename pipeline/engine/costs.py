@@ -23,7 +23,7 @@ import statistics
 import time
 from collections import deque
 
-from pipeline.spec_decode.cost import CostModel, LocalCorrection, VerifyCorrection, fit_cost_model, step_seconds
+from pipeline.spec_decode.cost import CostModel, LocalCorrection, VerifyCorrection, fit_cost_model
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -121,7 +121,7 @@ class CostTracker:
                 predicted = self.local.priced(model, step.gamma, step.rows, step.context_len,
                                               self.local.extra(step)) * factor
                 if predicted > 0:
-                    self.ratios.append(step_seconds(step) / predicted)
+                    self.ratios.append(self.local.seconds(step) / predicted)
                     self._check_drift()
         self.local.add(step, model, key, tick=refine)
 

@@ -222,12 +222,14 @@ class GenerateRun:
             emit_uniform(s.rows[:n], self.stats, width, acc_list, emitted_list, self._emit)
         else:
             emit_ragged(s.rows[:n], self.stats, plan, acc_list, emitted_list, self._emit)
+        t3 = time.perf_counter()
         s.release_finished()
-        overhead = (t0 - t_choose) + (time.perf_counter() - t2)
+        t4 = time.perf_counter()
+        overhead = (t0 - t_choose) + (t4 - t2)
         heads_fill = self.sources.get("mtp").last_fill_tokens() if plan.mtp_gamma else -1
         step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
                           t2 - t1, t1 - t0 - fill_s, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s,
-                          fill_tokens=heads_fill)
+                          fill_tokens=heads_fill, shared_s=(t0 - t_choose) + (t4 - t3))
         self.stats.observe_step(step)
         # the cost model's sample: the heads' depth as they ran (the stats keep the policy's gamma)
         sample = step if step.gamma == plan.mtp_gamma else replace(step, gamma=plan.mtp_gamma)

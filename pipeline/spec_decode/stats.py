@@ -26,6 +26,8 @@ class StepRecord:
     lookup_s: float = 0.0   # of draft_s, host-side drafting: the n-gram lookup and the per-row choice
     fill_tokens: int = -1   # of draft_s, tokens the heads' fill of the last step ran (its rows x its
                             # verify width); -1: not recorded (read as rows x (gamma + 1))
+    shared_s: float = 0.0   # of overhead_s, work paid whatever the gamma: choosing it, releasing
+                            # finished rows (not part of a gamma's price: cost.LocalCorrection)
 
 
 @dataclass
