@@ -101,6 +101,26 @@ def test_auto_runs_on_an_engine_of_its_own_unless_shared(tmp_path, monkeypatch):
         assert len({id(e.target) for e in engines.values()}) == 1           # one set of weights
 
 
+def test_the_heads_prompt_fills_count_as_decoding_not_prefill(monkeypatch):
+    """run_engine leaves the target's prefill out of decode time, and keeps the heads' fills of
+    prompts (prefill records of no rows) in it, as drafting: plain decoding never pays them."""
+    from types import SimpleNamespace
+
+    import pipeline.bench.systems as systems
+    from pipeline.spec_decode.stats import PrefillRecord, SpecStats
+
+    stats = SpecStats()
+    stats.observe_prefill(PrefillRecord(2, 20, 0.5))          # the target's prefill of two prompts
+    stats.observe_prefill(PrefillRecord(0, 0, 0.2))           # the heads' fill of them, at the first draft
+    out = SimpleNamespace(token_ids=[1, 2, 3])
+    engine = SimpleNamespace(device="cpu", last_stats=stats, generate=lambda *a, **k: [out, out])
+    clock = iter([10.0, 11.0])
+    monkeypatch.setattr(systems.time, "perf_counter", lambda: next(clock))
+    m = systems.run_engine(engine, [[1], [2]], None, 2)
+    assert (m.prefill_s, m.decode_s, m.decode_tokens) == (0.5, 0.5, 4)
+    assert m.draft_s == 0.2
+
+
 def test_bench_quick_job_runs_through_hydra(tmp_path):
     import subprocess
     import sys
