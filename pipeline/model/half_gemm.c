@@ -341,6 +341,15 @@ static void parallel(item_fn fn, void *ctx, int items) {
     atomic_flag_clear(&pool.busy);
 }
 
+/* Items to split `units` (panels, rows) into: as many as `by_work` (the items of at least a
+ * job's minimum work), at most one a unit and 4 a thread, at least 1. */
+static int pool_items(long units, long by_work) {
+    long most = 4L * (pool.active + 1);
+    if (units < most) most = units;
+    if (by_work < most) most = by_work;
+    return most > 1 ? (int)most : 1;
+}
+
 /* ---- half_gemm ------------------------------------------------------------------------------ */
 typedef struct {
     int m, k, n, panels, items;
@@ -362,12 +371,10 @@ static void gemm_item(void *ctx, int item) {
  * ceil(n / 64) * 64 floats; y: [m, n] float32. Output panels are split over the pool's threads
  * (a panel's columns come out the same on any thread). */
 void half_gemm(int m, int k, int n, const float *x, const uint16_t *w, const float *b, float *y) {
-    int panels = (n + PANEL - 1) / PANEL, threads = pool.active + 1;
+    int panels = (n + PANEL - 1) / PANEL;
     long work = (long)m * k * PANEL;                 /* multiply-adds a panel */
-    long by_work = work * panels / GEMM_ITEM_WORK;    /* items of at least GEMM_ITEM_WORK */
-    int items = panels < 4 * threads ? panels : 4 * threads;
-    if (by_work < items) items = by_work > 1 ? (int)by_work : 1;
-    if (threads == 1 || items <= 1) {
+    int items = pool_items(panels, work * panels / GEMM_ITEM_WORK);
+    if (pool.active == 0 || items <= 1) {
         gemm_columns(m, k, n, x, w, b, y, 0, n);
         return;
     }
@@ -737,8 +744,7 @@ static void row_item(void *ctx, int item) {
 #define ROWS_PER_ITEM 8     /* rows an item at least: a step's few rows stay on the caller */
 
 static void rows_op(RowJob job) {
-    int threads = pool.active + 1, items = (int)(job.m / ROWS_PER_ITEM);
-    job.items = items < 1 ? 1 : items > 4 * threads ? 4 * threads : items;
+    job.items = pool_items((long)job.m, (long)(job.m / ROWS_PER_ITEM));
     parallel(row_item, &job, job.items);
 }
 
@@ -990,8 +996,7 @@ static void argmax_item(void *ctx, int item) {
 
 /* out[r] = argmax of row r of x [n, v] (argmax_row's rule), rows split across the pool. */
 void argmax_rows(int n, int v, const float *x, int64_t *out) {
-    int threads = pool.active + 1, items = (int)((int64_t)n * v / ARGMAX_ITEM_VALUES);
-    items = items < 1 ? 1 : items > n ? n : items > 4 * threads ? 4 * threads : items;
+    int items = pool_items(n, (long)n * v / ARGMAX_ITEM_VALUES);
     ArgmaxJob job = {n, v, items, x, out};
     parallel(argmax_item, &job, items);
 }
