@@ -48,11 +48,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.native = None     # CPU inference: the C kernels (pipeline.model.native), set by pack_linears_
 
+    def takes_native(self, x: torch.Tensor) -> bool:
+        """Whether `forward` runs the C kernel for x: float32, a step's few rows, no gradient."""
+        return (self.native is not None and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and x.numel() <= NATIVE_NORM_ROWS * x.shape[-1] and not x.requires_grad)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32, scale in the input dtype (as transformers' Llama does); in
         # float32 one fused call gives the same bits, and the C kernel one call for a few rows
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if self.native is not None and x.numel() <= NATIVE_NORM_ROWS * x.shape[-1] and not x.requires_grad:
+            if self.takes_native(x):
                 return native.rms_norm(x, self.weight, self.eps, self.native)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

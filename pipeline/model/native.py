@@ -444,12 +444,10 @@ def target_forward(stack: NativeStack, ids: torch.Tensor, table: torch.Tensor, c
     hidden]: TargetModel.forward's values with one call where it made ~10 small torch calls."""
     n, q = positions.shape
     hidden, d = table.shape[1], cos_t.shape[1]
-    cos_t, sin_t = cos_t.contiguous(), sin_t.contiguous()
     y = torch.empty(n, q, hidden)
     scratch = torch.empty(n * q * (hidden + 2 * d + stack.scratch))
-    ids, positions = ids.contiguous(), positions.contiguous()
-    rows = None if rows is None else rows.contiguous()
-    valid, stride = _valid_rows(valid)
+    ids = ids.contiguous()
+    positions, rows, cos_t, sin_t, valid, stride = _attention_inputs(positions, rows, cos_t, sin_t, valid)
     weight, eps = norm if norm is not None else (None, 0.0)
     status = stack.lib.target_forward(
         stack.refs, len(stack.layers), n, q, hidden, ids.data_ptr(), table.data_ptr(), cos_t.data_ptr(),

@@ -9,8 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from pipeline.model import native
 from pipeline.model.cache import Batch, KVCache
 from pipeline.model.config import ArchConfig
-from pipeline.model.layers import (NATIVE_ATTN_TOKENS, NATIVE_NORM_ROWS, DecoderLayer, RMSNorm, fold_sin, native_step,
-                                   native_tokens)
+from pipeline.model.layers import DecoderLayer, RMSNorm, fold_sin, native_step, native_tokens
 from pipeline.model.packed import cpu_linear, pack_linears_
 
 
@@ -89,13 +88,13 @@ class TargetModel(nn.Module):
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache | None) -> torch.Tensor:
         """tokens: [n, q] at `batch.positions`. Returns final-norm'ed hidden states [n, q, hidden]."""
         stack = self.native_stack()
+        if cache is None or not cache.k.is_contiguous():
+            stack = None                                # the C stack reads the whole cache's layout
         fused = self._fused_step(tokens, batch, cache, stack)
         if fused is not None:
             return fused
         self.attach_rope(batch)
         x = self.embed(tokens)
-        if cache is None or not cache.k.is_contiguous():
-            stack = None                                # the C stack reads the whole cache's layout
         if stack is not None and native_step(x, batch, cache, stack.max_tokens):
             x = native.decoder_stack(stack, x, batch.positions, None if batch.prefix else batch.rows, batch.cos,
                                      batch.sin, cache.k, cache.v, batch.key_valid)
@@ -110,23 +109,25 @@ class TargetModel(nn.Module):
                     stack: native.NativeStack | None) -> torch.Tensor | None:
         """A cached step's whole forward as one C call (native.target_forward: the embedding and
         rotary rows, the stack, the final norm where it takes the C kernel), or None where the
-        step is not one the C stack takes as it stands (`native_step`), or its parts are not
-        plain float32 tables. Its values are the module path's; it saves ~10 small torch calls
-        a step, each slow after the stack has streamed the weights through the caches."""
-        if (not self.fused_step or stack is None or cache is None or batch.cos is not None or batch.from_zero
-                or tokens.dtype != torch.long):
+        step is not one the C stack takes as it stands (`native_step`, asked of a view shaped as
+        the embedding would be), or its parts are not plain float32 tables. Its values are the
+        module path's; it saves ~10 small torch calls a step, each slow after the stack has
+        streamed the weights through the caches."""
+        if (not self.fused_step or stack is None or batch.cos is not None or tokens.dtype != torch.long
+                or not hasattr(stack.lib, "target_forward")):
             return None
         table = self.model.embed_tokens.weight
-        n = tokens.shape[0] * tokens.shape[1]
-        if (not hasattr(stack.lib, "target_forward") or table.dtype != torch.float32 or not table.is_contiguous()
-                or not cache.k.is_contiguous() or cache.k.dtype != torch.float32 or n > NATIVE_ATTN_TOKENS
-                or (stack.max_tokens is not None and n > stack.max_tokens) or torch.is_grad_enabled()):
+        if (table.dtype != torch.float32 or not table.is_contiguous()
+                or (torch.is_grad_enabled() and table.requires_grad)):   # (a view of it would claim its gradient)
+            return None
+        x = table.detach()[None, :1].expand(*tokens.shape, -1)  # shaped as the embedding would be
+        if not native_step(x, batch, cache, stack.max_tokens):
             return None
         tables = self.rope_tables(batch.kv_len)
         if tables is None:
             return None
         norm = self.model.norm
-        c_norm = norm.native is not None and norm.weight.dtype == torch.float32 and n <= NATIVE_NORM_ROWS
+        c_norm = norm.takes_native(x)
         y = native.target_forward(stack, tokens, table, tables[0], tables[1], (norm.weight, norm.eps) if c_norm else None,
                                   batch.positions, None if batch.prefix else batch.rows, cache.k, cache.v,
                                   batch.key_valid)
