@@ -28,7 +28,7 @@ from pipeline.engine.slots import Slots
 from pipeline.model import native
 from pipeline.model.cache import Batch
 from pipeline.spec_decode import rng
-from pipeline.spec_decode.acceptance import coupled_accept, rejection_sample, rejection_sample_ragged
+from pipeline.spec_decode.acceptance import coupled_accept, greedy_accept, rejection_sample, rejection_sample_ragged
 from pipeline.spec_decode.policy import FEW_ROWS, GammaPolicy, GoodputPolicy, StepContext
 from pipeline.spec_decode.sampling import GREEDY_PICK, filtered_probs, sample
 from pipeline.spec_decode.stats import PrefillRecord, SpecStats, StepRecord
@@ -318,8 +318,8 @@ class GenerateRun:
         draft_len: [n] drafts per row (padded slots are PAD and never match), else all gamma;
         one_hot: [n] rows whose drafts are deterministic (q one-hot: acceptance.rejection_sample_ragged)."""
         p = self.params
-        if p.greedy:                        # greedy_accept's rule, the argmax on the C pool where it runs
-            return coupled_accept(drafts, native.argmax(logits))
+        if p.greedy:
+            return greedy_accept(drafts, logits, native.argmax)
         out_pos = positions + 1
         if self.coupled:
             return coupled_accept(drafts, self._sample_target(logits, keys, out_pos))

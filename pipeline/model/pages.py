@@ -41,7 +41,7 @@ def _mapping(nbytes: int) -> torch.Tensor | None:
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 class Arena:

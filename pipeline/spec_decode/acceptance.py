@@ -36,15 +36,16 @@ def coupled_accept(drafts: torch.Tensor, target_tokens: torch.Tensor):
     return accepted_prefix(drafts == target_tokens[:, :-1]), target_tokens
 
 
-def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor):
+def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor, argmax=argmax_last):
     """Greedy verification.
 
-    drafts: [n, gamma]; target_logits: [n, gamma + 1, V].
+    drafts: [n, gamma]; target_logits: [n, gamma + 1, V]; `argmax`: torch.argmax's rule over the
+    last dimension (the engine passes its C one on CPU, pipeline.model.native.argmax).
     Returns (num_accepted [n], emitted [n, gamma + 1]) where row i emits emitted[i, :num_accepted[i] + 1]:
     the target's argmax at every position, which equals the accepted drafts on the accepted prefix.
     Example: drafts [[5, 7]], argmax [[5, 9, 4]] -> num_accepted [1], emitted row [5, 9, 4] (emit 5, 9).
     """
-    return coupled_accept(drafts, argmax_last(target_logits))          # target: [n, gamma + 1]
+    return coupled_accept(drafts, argmax(target_logits))               # target: [n, gamma + 1]
 
 
 def rejection_sample(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,

@@ -236,12 +236,10 @@ class LocalCorrection:
 
     @staticmethod
     def seconds(step) -> float:
-        """What a step measured of the priced quantity: here the whole step, less the work it
-        would have paid at any gamma (StepRecord.shared_s: choosing the gamma, releasing rows
-        that finished). That work falls on some gammas more than others: the plain steps an
-        auto call runs are mostly each row's last step (~0.17 ms of release at batch 1) and the
-        steps measuring plain decoding (a full decision each, ~0.2 ms), and with it a plain
-        step's price read 1.4 ms where a plain step took ~0.6 (docs/decisions.md, stop 55)."""
+        """What a step measured of the priced quantity: here the whole step, less the work any
+        gamma pays (StepRecord.shared_s: choosing the gamma, releasing finished rows). That work
+        falls mostly on an auto call's plain steps (rows' last steps, measuring steps), and with
+        it plain decoding was priced at 2.3x its cost (docs/decisions.md, stop 55)."""
         return step_seconds(step) - getattr(step, "shared_s", 0.0)
 
     @staticmethod
