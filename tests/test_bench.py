@@ -260,7 +260,6 @@ def test_gamma_policy_calls_draft_with_the_heads_alone(tmp_path, monkeypatch):
     auto policies name the cell's task (as a run's plan does: that task's shipped prior)."""
     from pipeline.bench import gamma_policy as gp
     from pipeline.engine import Engine, SamplingParams
-    from pipeline.spec_decode.stats import SpecStats
     from tests.tiny_models import random_prompts
 
     seen = []
@@ -301,3 +300,76 @@ def test_transformers_decode_time_is_its_own_step_stamps(tmp_path, monkeypatch):
     assert m.decode_tokens == 2 * 4                 # 5 new tokens a row, the first from prefill
     assert m.decode_s == 4.0 and m.token_latency_s == [1.0] * 4      # 5 stamps, one reading each
     assert m.prefill_s == 1.0                       # t0, then the first stamp
+
+
+def test_summarized_cells_pair_each_policy_system_with_gamma_0_and_the_best_fixed_gamma(tmp_path):
+    """summarize_cell divides auto's and draft=...'s tokens/s by gamma 0's and the best fixed
+    gamma's repetition by repetition; the best is the fixed gamma with the highest median, a
+    repetition with nothing decoded leaves a pair out, and bench.md shows the pairs."""
+    from pipeline.bench.report import paired_lines
+    from pipeline.bench.runner import Cell, summarize_cell
+    from pipeline.bench.systems import Measurement
+
+    def runs(*tps):
+        return [Measurement(decode_tokens=int(t), decode_s=1.0, prefill_s=0.0) for t in tps]
+
+    cell = Cell("json", 0.0, "short", 1, [[1, 2]])
+    cell.results = {"gamma=0": runs(100, 80, 120), "gamma=2": runs(150, 90, 200), "gamma=4": runs(10, 300, 10),
+                    "auto": runs(150, 100, 150), "draft=ngram": runs(50, 0, 60), "transformers": runs(40, 40, 40)}
+    out = summarize_cell(cell)["paired"]
+    assert set(out) == {"auto", "draft=ngram"}
+    assert out["auto"]["gamma=0"] == {"median": 1.25, "min": 1.25, "max": 1.5}             # 150/100, 100/80, 150/120
+    assert out["auto"]["gamma=2"] == {"median": 1.0, "min": 0.75, "max": 10 / 9}           # median 150 beats 10 and 100
+    assert out["draft=ngram"] == {}                                                         # its second rep decoded nothing
+    text = "\n".join(paired_lines([summarize_cell(cell)]))
+    assert "| json T=0.0 short b=1 | auto | 1.25 (1.25-1.50) | 1.00 (0.75-1.11) (gamma=2) |" in text
+
+
+def _load_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_script_alternates_two_versions_and_puts_each_setting_back(tmp_path):
+    """benchmarks/ab.py: B runs with its settings and A without, in alternating order, on engines
+    of their own; every repetition is paired; the tokens are compared; an attribute set for B's
+    calls is back to A's value after each, and a module attribute set for B's load likewise."""
+    from pipeline.bench.repeat import paired
+    from pipeline.model import pages
+
+    ab = _load_script("ab")
+    huge = pages.HUGE_PAGES
+    model = tiny_checkpoint(str(tmp_path / "m"), arch="llama", num_mtp_layers=1, draftable=0.05, with_tokenizer=False)
+    seen = []
+    real = ab.run_engine
+
+    def spy(engine, prompts, params, gamma, **kw):
+        seen.append((engine.target.fused_step, engine.verify_layout, gamma))
+        return real(engine, prompts, params, gamma, **kw)
+
+    ab.run_engine = spy
+    out = tmp_path / "ab.json"
+    rows = ab.main(["--model", str(model), "--task", "random", "--prompt-len", "6", "--batch", "1", "2",
+                    "--gammas", "0", "auto", "--new", "4", "--reps", "2", "--warmups", "0", "--min-rows", "2",
+                    "--device", "cpu", "--set", "verify_layout='packed'", "--load-set",
+                    "pipeline.model.pages.HUGE_PAGES=False", "--out", str(out)])
+    assert [(r["batch"], r["gamma"]) for r in rows] == [(1, "0"), (1, "auto"), (2, "0"), (2, "auto")]
+    for r in rows:
+        assert len(r["tokens_per_s"]["A"]) == len(r["tokens_per_s"]["B"]) == 2
+        assert r["B_over_A"] == paired(r["tokens_per_s"]["B"], r["tokens_per_s"]["A"])
+        assert r["same_tokens"] is True                       # greedy: a verify layout changes no token
+    layouts = [layout for _, layout, _ in seen]
+    assert layouts[:4] == ["auto", "packed", "packed", "auto"]     # A B, then B A
+    assert pages.HUGE_PAGES is huge
+    assert json.loads(out.read_text())["rows"][0]["gamma"] == "0"
+    ab.run_engine = real
+    import pytest
+    with pytest.raises(AttributeError):
+        with ab.settings(object(), [("no_such_flag", 1)]):
+            pass

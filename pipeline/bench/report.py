@@ -90,6 +90,24 @@ def source_lines(cells: list[dict]) -> list[str]:
     return lines if len(lines) > 5 else []
 
 
+def paired_lines(cells: list[dict]) -> list[str]:
+    """Per cell, each policy system over gamma 0 and over the best fixed gamma, repetition by
+    repetition: median (min-max) over repetitions (pipeline.bench.runner.paired_ratios)."""
+    from pipeline.bench.repeat import show_paired
+
+    lines = ["", "## Paired ratios", "", "Each repetition's tokens/s over the other system's in the same repetition: "
+             "median (min-max) over repetitions. The tables above divide medians.", "",
+             "| cell | system | over gamma 0 | over the best fixed gamma |", "|---|---|---|---|"]
+    for c in cells:
+        for name, against in c.get("paired", {}).items():
+            best = [k for k in against if k != "gamma=0"]
+            g0 = show_paired(against["gamma=0"]) if "gamma=0" in against else "-"
+            bf = (f"{show_paired(against[best[0]])} ({best[0]})" if best
+                  else f"{g0} (gamma=0)" if "gamma=0" in against else "-")
+            lines.append(f"| {c['task']} T={c['temperature']} {c['prompt_length']} b={c['batch']} | {name} | {g0} | {bf} |")
+    return lines if len(lines) > 6 else []
+
+
 def _fmt(x, spec=".0f"):
     return "-" if x is None else format(x, spec)
 
@@ -133,7 +151,7 @@ def write_markdown(result: dict, path: Path, machine: dict) -> str:
                   + "; ".join(roof) + "."]
         prefill = [f"batch {c['batch']}: {1000 * c['systems'].get('gamma=0', {}).get('prefill_s', 0):.0f} ms" for c in group]
         lines += ["", "Engine prefill time (excluded above): " + "; ".join(prefill) + "."]
-    lines += source_lines(cells)
+    lines += source_lines(cells) + paired_lines(cells)
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pipeline.bench.prompts import RANDOM, random_prompts, task_prompts
-from pipeline.bench.repeat import run_order
+from pipeline.bench.repeat import paired, run_order
 from pipeline.bench.roofline import Roofline, measure_roofline
 from pipeline.bench.systems import Measurement, merged, percentile, run_engine, run_transformers
 from pipeline.engine import Engine, SamplingParams
@@ -257,6 +257,25 @@ def summarize_cell(cell: Cell) -> dict:
             "drafted_by_source": ms[-1].drafted_by_source, "accepted_by_source": ms[-1].accepted_by_source,
             "draft_share": statistics.median(m.draft_s / m.decode_s for m in ms) if ms[-1].decode_s else None,
         }
+    out["paired"] = paired_ratios(cell.results, out["systems"])
+    return out
+
+
+def paired_ratios(results: dict, systems: dict) -> dict:
+    """For each policy system (auto, draft=...): its tokens/s over gamma 0's and over the best fixed
+    gamma's (by median), repetition by repetition (pipeline.bench.repeat.paired), which cancels the
+    machine's swings between repetitions that a ratio of medians keeps.
+    Example: auto [10, 12], gamma=0 [8, 12] -> {"auto": {"gamma=0": {"median": 1.125, ...}, ...}}."""
+    runs = {name: [m.tokens_per_s for m in ms] for name, ms in results.items()}
+    fixed = {k: v["tokens_per_s"] for k, v in systems.items() if k.startswith("gamma=") and v["tokens_per_s"] > 0}
+    best = max(fixed, key=fixed.get) if fixed else None      # NaN (nothing decoded) is never > 0
+    out = {}
+    for name, xs in runs.items():
+        if name != "auto" and not name.startswith("draft="):
+            continue
+        against = {k: runs[k] for k in dict.fromkeys(("gamma=0", best)) if k in runs}
+        out[name] = {k: paired(xs, ys) for k, ys in against.items()
+                     if len(ys) == len(xs) and all(v > 0 for v in xs + ys)}
     return out
 
 

@@ -28,6 +28,7 @@ class Measurement:
     draft_s: float = 0.0                   # drafting (heads, n-gram lookup and per-row choice)
     drafted_by_source: dict = field(default_factory=dict)
     accepted_by_source: dict = field(default_factory=dict)
+    token_ids: list = field(default_factory=list)        # each row's generated ids (engine systems)
 
     @property
     def tokens_per_s(self) -> float:
@@ -55,7 +56,7 @@ def run_engine(engine, prompts, params, gamma, roofline=None, draft: str = "auto
     ideal = sum(roofline.step_s(s.rows * s.query_len) for s in stats.steps) if roofline else None
     return Measurement(sum(len(o.token_ids) - 1 for o in outs if o.token_ids), wall - prefill, prefill,
                        latencies, stats.mean_acceptance_length(), ideal, stats.draft_time_s + fills,
-                       dict(stats.drafted_by_source), dict(stats.accepted_by_source))
+                       dict(stats.drafted_by_source), dict(stats.accepted_by_source), [o.token_ids for o in outs])
 
 
 class _StepClock:
