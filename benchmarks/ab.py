@@ -7,9 +7,10 @@ turn, A B then B A, and each repetition's B/A ratio is read within that repetiti
 
     python benchmarks/ab.py --set target.fused_step=False --task complete --batch 1 --gammas 0 2 auto
     python benchmarks/ab.py --load-set pipeline.model.pages.HUGE_PAGES=False --task json --batch 1 32
+    python benchmarks/ab.py --set pipeline.model.native.C_NOISE=False --temperature 0.7
 
-`--set PATH=VALUE`: an attribute under the engine (`target.fused_step`, `verify_layout`), set
-for B's calls and put back after each. `--load-set MODULE.NAME=VALUE`: a module attribute read
+`--set PATH=VALUE`: an attribute under the engine (`target.fused_step`, `verify_layout`) or
+of a module (`pipeline.model.native.C_NOISE`), set for B's calls and put back after each. `--load-set MODULE.NAME=VALUE`: a module attribute read
 while loading (2 MB pages, the C kernels' settings), so B loads a model of its own with it set.
 Each version runs on an Engine of its own (own KV caches, cost tracker and policy state); with
 only `--set`, both share one loaded model. Prints, per batch and gamma, decode tokens/s (target
@@ -62,18 +63,24 @@ def _owner(root, path: str):
     return root, name
 
 
+def _module_owner(path: str):
+    """(module, attribute name) of 'package.module.NAME'."""
+    module, _, name = path.rpartition(".")
+    obj = importlib.import_module(module)
+    if not hasattr(obj, name):
+        raise AttributeError(f"{path}: module {module} has no attribute {name!r}")
+    return obj, name
+
+
 @contextlib.contextmanager
 def settings(root, changes: list[tuple[str, object]]):
-    """Each change set on its attribute under `root` (an engine, or None for module paths) for
-    the block, the old values put back after it."""
+    """Each change set on its attribute for the block, the old values put back after it: under
+    `root` (an engine), or a module's where the path starts with `pipeline.` or root is None."""
     saved = []
     try:
         for path, value in changes:
-            if root is None:
-                module, _, name = path.rpartition(".")
-                obj = importlib.import_module(module)
-                if not hasattr(obj, name):
-                    raise AttributeError(f"{path}: module {module} has no attribute {name!r}")
+            if root is None or path.startswith("pipeline."):
+                obj, name = _module_owner(path)
             else:
                 obj, name = _owner(root, path)
             saved.append((obj, name, getattr(obj, name)))
@@ -139,7 +146,7 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", type=parse_setting, action="append", default=[], metavar="PATH=VALUE",
-                    help="an attribute under the engine changed for B (repeatable)")
+                    help="an attribute under the engine, or a module's (pipeline....), changed for B (repeatable)")
     ap.add_argument("--load-set", type=parse_setting, action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="a module attribute set while B loads its own model (repeatable)")
     ap.add_argument("--model", type=Path, default=DEMO / "model")

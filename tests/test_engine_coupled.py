@@ -151,3 +151,33 @@ def test_coupled_text_is_the_same_for_every_draft_source(path):
             drafted = engine.stats.drafted_by_source.get("ngram", 0)
             accepted = engine.stats.accepted_by_source.get("ngram", 0)
             assert 0 < accepted < drafted, (accepted, drafted)     # n-gram drafts kept and rejected
+
+
+@pytest.mark.parametrize("variant", [dict(temperature=0.8), dict(temperature=0.8, top_k=20)], ids=["full", "top_k"])
+def test_every_pick_of_a_cpu_call_draws_the_c_noise(path, monkeypatch, variant):
+    """On CPU with the C kernels, every coupled pick (the heads' drafts, the target's tokens;
+    the full vocabulary and a filter's kept tokens) takes its noise from native.exponential_noise
+    and none from torch's: one function for all of a call's noise, so a draft and the target's
+    token at its position always compare the same values."""
+    from pipeline.model import native
+    from pipeline.spec_decode import rng
+    if native.library() is None:
+        pytest.skip("the C kernels do not build on this machine")
+    calls = {"c": 0, "torch": 0}
+    real_c, real_torch = native.exponential_noise, rng.exponential_noise
+
+    def c(*a, **kw):
+        calls["c"] += 1
+        return real_c(*a, **kw)
+
+    def torch_noise(*a, **kw):
+        calls["torch"] += 1
+        return real_torch(*a, **kw)
+
+    monkeypatch.setattr(native, "exponential_noise", c)
+    monkeypatch.setattr(rng, "exponential_noise", torch_noise)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    prompts = random_prompts(LENGTHS[:6], 128, seed=2)
+    outs = _tokens(engine, prompts, _params(**variant), 2)
+    assert calls["c"] > 0 and calls["torch"] == 0 and engine.stats.acceptance_by_depth()[0] > 0
+    assert all(len(o) == 24 for o in outs)

@@ -955,3 +955,52 @@ def test_a_c_stack_forward_of_many_tokens_gives_one_threads_bits_on_two(tmp_path
         torch.set_num_threads(threads)
     assert calls == [(4, 10, cfg.hidden_size)] * 2
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def _c_noise(lib, seed, keys, positions, vocab, tokens=None):
+    """rng.exponential_noise's values from `lib` (native.exponential_noise's call)."""
+    from pipeline.spec_decode import rng
+    pos = positions.reshape(-1).contiguous()
+    k = keys.view(-1, *([1] * (positions.dim() - 1))).expand(positions.shape).reshape(-1).contiguous()
+    ids = None if tokens is None else tokens.reshape(pos.numel(), -1).contiguous()
+    out = torch.empty(*positions.shape, vocab) if tokens is None else torch.empty(tokens.shape)
+    lib.exp_noise(pos.numel(), vocab if ids is None else ids.shape[1], rng.stream_word(seed, rng.NOISE),
+                  k.data_ptr(), pos.data_ptr(), None if ids is None else ids.data_ptr(), out.data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_c_noise_is_rngs_within_one_ulp(threads, kernels):
+    """half_gemm.c `exp_noise` (coupled sampling's noise on CPU, native.exponential_noise): the
+    same SplitMix64 integers as rng.exponential_noise, so every value is within one float32 ulp
+    of torch's (only -log differs); a token's value is the same computed over the whole
+    vocabulary or alone (`tokens`), on any pool split; seeds past 2^63 and negative ones, odd
+    vocabularies, positions [n] and [n, q]."""
+    from pipeline.model import native
+    from pipeline.spec_decode import rng
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randint(0, 1 << 40, (6,), generator=gen)
+    pos = torch.randint(0, 5000, (6, 3), generator=gen)
+    with _Pool(kernels, threads):
+        for seed, vocab in ((0, 6144), (7, 97), ((1 << 63) + 5, 1), (-3, 16384 + 3)):
+            want = rng.exponential_noise(seed, keys, pos, vocab)
+            got = _c_noise(kernels, seed, keys, pos, vocab)
+            ulp = torch.nextafter(want, torch.tensor(float("inf"))) - want
+            assert got.shape == want.shape and bool(((got - want).abs() <= ulp).all()) and bool((got > 0).all())
+            ids = torch.randint(0, vocab, (6, 3, 5), generator=gen)
+            assert torch.equal(_c_noise(kernels, seed, keys, pos, vocab, ids), got.gather(-1, ids))
+        flat = _c_noise(kernels, 1, keys, pos[:, 0], 50)
+        assert torch.equal(flat, _c_noise(kernels, 1, keys, pos[:, :1], 50)[:, 0])
+    with _Pool(kernels, 1):                                # the same bits on one thread
+        assert torch.equal(_c_noise(kernels, -3, keys, pos, 16384 + 3), got)
+    x = native.exponential_noise(2, keys, pos, 300)          # the engine's entry: the loaded library's
+    assert torch.equal(x, _c_noise(native.library(), 2, keys, pos, 300))
+    for k, p in ((keys[:1], pos[:1]), (keys[:1], pos[:1, 0])):  # one row's key over its positions (a view of stride 0)
+        want = rng.exponential_noise(2, k, p, 300)
+        ulp = torch.nextafter(want, torch.tensor(float("inf"))) - want
+        assert bool(((native.exponential_noise(2, k, p, 300) - want).abs() <= ulp).all())
+    native.C_NOISE = False
+    try:
+        assert torch.equal(native.exponential_noise(2, keys, pos, 300), rng.exponential_noise(2, keys, pos, 300))
+    finally:
+        native.C_NOISE = True

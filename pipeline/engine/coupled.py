@@ -16,25 +16,27 @@ from pipeline.spec_decode.sampling import coupled_sample, sparse_coupled_sample
 
 
 class CoupledSampler:
-    def __init__(self, seed: int, filtered: bool = False):
+    def __init__(self, seed: int, filtered: bool = False, noise=None):
         """filtered: top-k or top-p is on, so most tokens may have zero probability and noise
-        for the kept ones alone may do (counting them costs a pass, paid only then)."""
-        self.seed, self.filtered = seed, filtered
+        for the kept ones alone may do (counting them costs a pass, paid only then). `noise`:
+        a function of rng.exponential_noise's values (the engine's: native's C one on CPU),
+        used for all of the call's noise; default rng's."""
+        self.seed, self.filtered, self.noise = seed, filtered, noise or rng.exponential_noise
         self._kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []   # (keys [n], positions [n], noise [n, V])
 
     def draft(self, probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """probs [n, V] (filtered), keys [n], positions [n] -> tokens [n]."""
-        tokens = sparse_coupled_sample(probs, self.seed, keys, positions) if self.filtered else None
+        tokens = sparse_coupled_sample(probs, self.seed, keys, positions, noise=self.noise) if self.filtered else None
         if tokens is not None:                                                   # top-k/p: kept tokens only
             return tokens
-        noise = rng.exponential_noise(self.seed, keys, positions, probs.shape[-1])   # [n, V]
+        noise = self.noise(self.seed, keys, positions, probs.shape[-1])            # [n, V]
         self._kept.append((keys, positions, noise))
         return coupled_sample(probs, noise)
 
     def target(self, probs: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """probs [n, V] or [n, q, V]; positions [n] or [n, q] -> tokens like positions.
         Ends the step: the drafts' kept noise is released."""
-        tokens = sparse_coupled_sample(probs, self.seed, keys, positions) if self.filtered else None
+        tokens = sparse_coupled_sample(probs, self.seed, keys, positions, noise=self.noise) if self.filtered else None
         if tokens is None:
             tokens = coupled_sample(probs, self._noise(keys, positions, probs.shape[-1]))
         self._kept = []
@@ -47,9 +49,9 @@ class CoupledSampler:
                       None) for c in cols.unbind(1)]
         missing = [j for j, e in enumerate(noise) if e is None]
         if len(missing) == len(noise):
-            return rng.exponential_noise(self.seed, keys, positions, vocab)
+            return self.noise(self.seed, keys, positions, vocab)
         if missing:
-            fresh = rng.exponential_noise(self.seed, keys, cols[:, missing], vocab)   # [n, m, V]
+            fresh = self.noise(self.seed, keys, cols[:, missing], vocab)              # [n, m, V]
             for i, j in enumerate(missing):
                 noise[j] = fresh[:, i]
         if len(noise) == 1:

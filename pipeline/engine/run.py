@@ -118,7 +118,8 @@ class GenerateRun:
         self.stats = engine.last_stats
         # its steps count towards cost-model refits: the gamma policy or the per-row choice prices by it
         self.refine = isinstance(policy, GoodputPolicy) or (self.auto and ngram_cap > 0)
-        self.coupled = (CoupledSampler(params.seed, filtered=params.top_k > 0 or params.top_p < 1)
+        self.coupled = (CoupledSampler(params.seed, filtered=params.top_k > 0 or params.top_p < 1,
+                                       noise=native.exponential_noise)
                         if params.coupled else None)
 
     def run(self) -> None:

@@ -73,6 +73,21 @@ def _strides(vocab: int, device) -> torch.Tensor:
     return _STRIDES[key]
 
 
+def stream_word(seed: int, stream: int) -> int:
+    """counter_hash's first step, splitmix64(seed ^ stream's word), as an unsigned 64-bit int
+    (what a caller computing the rest elsewhere starts from; pipeline.model.native)."""
+    z = ((seed ^ (stream * 0x632BE59BD9B4E019)) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def noise_states(seed: int, row_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 like `positions`: each position's SplitMix64 state before token 0's (token v's
+    state is this + (v + 1) * golden, as `exponential_noise` says)."""
+    return counter_hash(seed, row_keys, positions, NOISE) + _GOLDEN
+
+
 def exponential_noise(seed: int, row_keys: torch.Tensor, positions: torch.Tensor, vocab: int,
                       tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Exp(1) noise E[..., v] for every token v at every (row, position): float32
@@ -90,7 +105,7 @@ def exponential_noise(seed: int, row_keys: torch.Tensor, positions: torch.Tensor
     exponential_noise(0, keys[i:i+1], positions[i:i+1, j:j+1], 6144)[0, 0], and its entries
     [3, 7] equal exponential_noise(0, keys, positions, 6144, tokens=ids)[i, j] where ids[i, j] = [3, 7].
     """
-    base = counter_hash(seed, row_keys, positions, NOISE) + _GOLDEN                  # like positions
+    base = noise_states(seed, row_keys, positions)                                   # like positions
     if tokens is not None:
         z = base.unsqueeze(-1) + tokens.to(torch.int64) * _GOLDEN                     # [..., m] states
         out = torch.empty(z.shape, dtype=torch.float32, device=z.device)

@@ -77,7 +77,7 @@ def coupled_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_coupled_sample(probs: torch.Tensor, seed: int, row_keys: torch.Tensor, positions: torch.Tensor,
-                          max_share: float = 0.25) -> torch.Tensor | None:
+                          max_share: float = 0.25, noise=None) -> torch.Tensor | None:
     """coupled_sample(probs, rng.exponential_noise(seed, row_keys, positions, V)), drawing noise
     only for the tokens a filter kept; None where some row keeps more than `max_share` of the
     vocabulary (then the full noise is as cheap, and the caller draws it).
@@ -85,14 +85,15 @@ def sparse_coupled_sample(probs: torch.Tensor, seed: int, row_keys: torch.Tensor
     probs: [..., V] after top-k / top-p; row_keys [n]; positions [n] or [n, q] like probs[..., 0].
     The noise of a token depends on its id, not on which others are drawn, and a token of zero
     probability never wins, so the tokens are those of the full computation.
-    Example: top_k=50 over V=6144 hashes 50 values per position instead of 6144.
+    `noise`: a function of rng.exponential_noise's values (the caller's for all its noise;
+    default rng's). Example: top_k=50 over V=6144 hashes 50 values per position instead of 6144.
     """
     kept = int((probs > 0).sum(-1).max())
     if kept > max_share * probs.shape[-1]:
         return None
     values, ids = probs.topk(kept, dim=-1)                                       # [..., kept]
-    noise = rng.exponential_noise(seed, row_keys, positions, probs.shape[-1], tokens=ids)
-    return ids.gather(-1, coupled_sample(values, noise)[..., None])[..., 0]
+    e = (noise or rng.exponential_noise)(seed, row_keys, positions, probs.shape[-1], tokens=ids)
+    return ids.gather(-1, coupled_sample(values, e)[..., None])[..., 0]
 
 
 class GreedyPick:
