@@ -1,6 +1,7 @@
 """The lean verify step: packed ([in, out]) linears compute what the checkpoint's linears do,
 the loader packs on CPU only for inference, and the step-cost harness reports every shape."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -857,6 +858,89 @@ def test_greedy_drafts_in_c_are_the_python_loops(tmp_path, monkeypatch, heads):
                 start = start + fill["count"]
     runs = sum(1 if heads == 1 or gamma == 1 else 2 for gamma in range(1, 6))     # a call per head's run of depths
     assert len(calls) == 2 * 2 * runs                                             # (rows 1 and 3, two steps)
+
+
+@pytest.mark.parametrize("heads,vocab", [(1, "draft"), (2, "draft"), (2, "full")])
+def test_coupled_drafts_in_c_are_the_python_loops(tmp_path, monkeypatch, heads, vocab):
+    """Coupled sampling's drafts picked inside the heads' C loop (native.mtp_greedy's `coupled`:
+    softmax at the temperature over the C noise, argmax of p / E) are the drafts the Python
+    loop's pick makes (filtered_probs, CoupledSampler.draft over the full vocabulary), over two
+    steps, gamma 1-5, 1 and 3 rows with their own keys, over a draft vocabulary and without;
+    and the C path ran, one call per head's run of depths. Random tiny weights leave no near-ties
+    at float32 precision, so the two pick alike token for token."""
+    from pipeline.engine.coupled import CoupledDraftPick, CoupledSampler
+    from pipeline.engine.drafter import PendingFill
+    from pipeline.engine.drafters.mtp import MTPSource
+    from pipeline.model import native
+    from pipeline.spec_decode.sampling import filtered_probs
+    engine = _native_demo_like_engine(tmp_path, monkeypatch, heads)
+    if vocab == "full":
+        for head in engine.heads:
+            head.set_draft_vocab(None)
+    calls = []
+    real = native.mtp_greedy
+    bind = inspect.signature(real).bind
+    monkeypatch.setattr(native, "mtp_greedy", lambda *a, **k: calls.append(bind(*a, **k).arguments.get("coupled")
+                                                                            is not None) or real(*a, **k))
+    hidden, temperature, seed = engine.config.hidden_size, 0.9, 5
+    picked = []
+    for n in (1, 3):
+        keys = torch.tensor([7, 1000003, 42])[:n]
+        for gamma in range(1, 6):
+            gen = torch.Generator().manual_seed(10 * n + gamma)
+            drafters = [MTPSource.for_engine(engine, 3, 64, coupled=True).drafter for _ in range(2)]
+            start = torch.randint(5, 20, (n,), generator=gen)
+            for step in range(2):
+                w = 3
+                fill = dict(hidden=torch.randn(n, w, hidden, generator=gen) * 3,
+                            next_ids=torch.randint(0, 128, (n, w), generator=gen),
+                            count=torch.randint(1, w + 1, (n,), generator=gen))
+                lengths = start + fill["count"]
+                sampler = CoupledSampler(seed, noise=native.exponential_noise)
+                python_pick = lambda lg, d: (sampler.draft(filtered_probs(lg, temperature), keys, lengths + d),   # noqa: E731
+                                             None)
+                c_pick = CoupledDraftPick(python_pick, temperature, seed, keys)
+                got = []
+                for d, pick in zip(drafters, (c_pick, python_pick)):
+                    d.add_pending(PendingFill(torch.arange(n), start.clone(), fill["hidden"], fill["next_ids"],
+                                              fill["count"], slots=list(range(n)), counts=fill["count"].tolist()))
+                    with torch.inference_mode():
+                        drafts, probs = d.propose(n, lengths, gamma, pick)
+                    assert probs is None
+                    got.append(drafts)
+                assert torch.equal(got[0], got[1]), (n, gamma, step, got)
+                picked.append(got[0])
+                start = lengths
+    runs = sum(1 if heads == 1 or gamma == 1 else 2 for gamma in range(1, 6))
+    assert calls == [True] * (2 * 2 * runs)                     # every C call picked coupled; Python's took none
+    tokens = torch.cat([p.flatten() for p in picked])
+    assert tokens.unique().numel() > 20                         # sampled picks, not one argmax token
+    if vocab == "draft":                                        # the draft vocabulary: even ids only
+        assert (tokens % 2 == 0).all()
+
+
+def test_coupled_text_with_c_drafts_is_gamma_zeros(tmp_path, monkeypatch):
+    """A generate call's coupled drafts come from the heads' C loop (unfiltered sampling) and the
+    text is gamma 0's at every gamma; with top-k on, drafts are picked in torch (its kept-token
+    noise) and the text is again gamma 0's."""
+    from pipeline.engine import SamplingParams
+    from pipeline.model import native
+    engine = _native_demo_like_engine(tmp_path, monkeypatch, heads=2)
+    calls = []
+    real = native.mtp_greedy
+    bind = inspect.signature(real).bind
+    monkeypatch.setattr(native, "mtp_greedy", lambda *a, **k: calls.append(bind(*a, **k).arguments.get("coupled")
+                                                                            is not None) or real(*a, **k))
+    prompts = [[int(t) for t in torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (4, 9, 2)]
+    for extra in ({}, {"top_k": 20}):
+        params = SamplingParams(max_new_tokens=20, seed=11, temperature=0.8, verify="coupled", ignore_eos=True, **extra)
+        ref = [o.token_ids for o in engine.generate(prompts, params, gamma=0)]
+        for gamma in (1, 3, 5):
+            calls.clear()
+            assert [o.token_ids for o in engine.generate(prompts, params, gamma=gamma)] == ref, (extra, gamma)
+            assert calls and all(calls) if not extra else not calls, (extra, gamma, calls)
+            assert engine.stats.acceptance_by_depth()[0] > 0
 
 
 def test_a_heads_step_fill_in_c_is_the_torch_paths(tmp_path, monkeypatch):

@@ -57,3 +57,17 @@ class CoupledSampler:
         if len(noise) == 1:
             return noise[0].view(*positions.shape, vocab)
         return torch.stack(noise, dim=1)                                            # [n, q, V]
+
+
+class CoupledDraftPick:
+    """A coupled, unfiltered step's draft pick: `pick(logits, depth)` as the engine's lambda, plus
+    what a drafter needs to pick the same tokens in its own C loop (native.mtp_greedy's
+    `coupled`): `temperature`, `seed`, the rows' `keys` [n]. Drafts are proposals only (the target's
+    coupled pick decides every token), so a C pick that rounds apart from torch's near a tie changes
+    at most an acceptance, never the text."""
+
+    def __init__(self, pick, temperature: float, seed: int, keys: torch.Tensor):
+        self.pick, self.temperature, self.seed, self.keys = pick, temperature, seed, keys
+
+    def __call__(self, logits: torch.Tensor, depth: int):
+        return self.pick(logits, depth)

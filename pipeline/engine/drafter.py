@@ -285,6 +285,16 @@ class Backlog:
         return fill
 
 
+def _coupled_native(pick) -> tuple[float, int, torch.Tensor] | None:
+    """(temperature, seed, keys) where `pick` is a coupled draft pick (engine.coupled.CoupledDraftPick)
+    that the heads' C drafting may make itself: it draws C noise (the engine's noise on CPU:
+    native.exponential_noise) and native.C_DRAFT_PICKS is on. Else None: `pick` picks."""
+    keys = getattr(pick, "keys", None)
+    if keys is None or keys.device.type != "cpu" or not (native.C_NOISE and native.C_DRAFT_PICKS):
+        return None
+    return pick.temperature, pick.seed, keys
+
+
 def _spans(moves: list[tuple[int, int, int, int, int]], device):
     """Index tensors (p rows, backlog rows, p columns, backlog columns) of every token in `moves`
     (row in p, slot, first column in p, first column in the backlog, tokens). A gamma-0 step
@@ -434,8 +444,9 @@ class Drafter:
                 self.step_fill_tokens += p.next_ids.numel()
         self.pending = []
         self.held.update(range(n))                 # every drafting row's entries are filled now
-        if getattr(pick, "greedy", False) and not self.full_vocab_picks:
-            drafts = self._greedy_native(n, lengths, gamma, first_out)
+        coupled = _coupled_native(pick)
+        if (getattr(pick, "greedy", False) and not self.full_vocab_picks) or coupled is not None:
+            drafts = self._greedy_native(n, lengths, gamma, first_out, coupled)
             if drafts is not None:
                 return drafts, None
         k = len(self.heads)
@@ -461,11 +472,13 @@ class Drafter:
         draft_probs = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
         return torch.stack(drafts, dim=1), draft_probs
 
-    def _greedy_native(self, n: int, lengths: torch.Tensor, gamma: int, out: torch.Tensor) -> torch.Tensor | None:
+    def _greedy_native(self, n: int, lengths: torch.Tensor, gamma: int, out: torch.Tensor,
+                       coupled: tuple | None = None) -> torch.Tensor | None:
         """Greedy drafts [n, gamma] as `propose`'s loop makes them, by one C call per head
         (native.mtp_greedy: its forward, output and argmax at each of its depths), from `out`
         [n, hidden], depth 1's hidden state (overwritten); None where a head has no C path for
-        n rows (not CPU float32, a linear off the native GEMM) or RoPE has no tables."""
+        n rows (not CPU float32, a linear off the native GEMM) or RoPE has no tables.
+        coupled (temperature, seed, keys): coupled sampling's picks instead (`_coupled_native`)."""
         heads, k = self.heads, len(self.heads)
         nds = [heads[c].greedy_native() for c in range(min(k, gamma))]   # (slicing a ModuleList builds one)
         if out.dtype != torch.float32 or any(nd is None or (nd.max_tokens is not None and n > nd.max_tokens)
@@ -481,7 +494,7 @@ class Drafter:
             c = head_for_depth(k, depth)
             last = depth if c < k - 1 else gamma
             native.mtp_greedy(nds[c], n, depth, last, h, lengths, *tables, self.cache.k[c], self.cache.v[c],
-                              self.valid[c, :n], tokens, max(c - 1, 0), gamma - 2)      # `_visible`'s mask, in C
+                              self.valid[c, :n], tokens, max(c - 1, 0), gamma - 2, coupled)   # `_visible`'s mask
             depth = last + 1
         return tokens
 

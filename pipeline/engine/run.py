@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.engine.coupled import CoupledSampler
+from pipeline.engine.coupled import CoupledDraftPick, CoupledSampler
 from pipeline.engine.drafters import TaskIndex
 from pipeline.engine.drafting import DraftPlanner, StepDrafts
 from pipeline.engine.emit import emit_ragged, emit_uniform
@@ -186,6 +186,8 @@ class GenerateRun:
         t0 = time.perf_counter()
         keys = s.keys[:n]
         pick = GREEDY_PICK if self.params.greedy else lambda lg, d: self._pick_draft(lg, keys, lengths + d)  # noqa: E731
+        if self.coupled is not None and not self.coupled.filtered:
+            pick = CoupledDraftPick(pick, self.params.temperature, self.params.seed, keys)
         if self.planner is None:
             plan = StepDrafts(torch.zeros(n, 0, dtype=torch.long, device=lengths.device), None, None, None, 0, None, None)
         else:

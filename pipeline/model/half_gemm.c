@@ -880,6 +880,10 @@ int mtp_fill(const MtpInput *M, const Layer *L, int r, int w, const int64_t *sta
     return status;
 }
 
+static int64_t coupled_pick(int v, float *x, const int64_t *ids, float temperature, uint64_t word, int64_t key,
+                            int64_t position);
+static int64_t argmax_row(int v, const float *x);
+
 /* Greedy drafts of one MTP head at depths first..last (pipeline/engine/drafter.py): at depth j >= 2
  * the head's forward on (h, the draft of depth j - 1) at position lengths + j - 2, then at every
  * depth the draft = argmax over the output linear (its draft vocabulary `ids`, or all rows) of
@@ -892,12 +896,15 @@ int mtp_fill(const MtpInput *M, const Layer *L, int r, int w, const int64_t *sta
  * Drafter._visible builds in torch, built here: ~7 torch ops a step at batch 1).
  * scratch: floats for n * (2 d + 2 hidden + vout) and mtp_forward's for n tokens.
  * The argmax is the first index of the largest value (torch.argmax's, NaN aside).
+ * keys (row keys [n], or NULL): coupled sampling's pick instead (`coupled_pick`: `temperature`,
+ * `word` as exp_noise takes it; depth j's draft lands at position lengths + j).
  * Returns 0, or -1 where memory for the mask or attention's scratch runs out. */
 int mtp_greedy(const MtpInput *M, const Layer *L, const float *nw, float neps, const uint16_t *out_w,
                const float *out_b, int vout, const int64_t *ids, int n, int first, int last, float *h,
                const int64_t *lengths, const float *cos_t, const float *sin_t, float *kc, float *vc, int cap,
                const uint8_t *valid, int vstride, int lo_off, int hi_off, int window, float scale,
-               int64_t *tokens, int tstride, float *scratch) {
+               int64_t *tokens, int tstride, float *scratch, float temperature, uint64_t word,
+               const int64_t *keys) {
     int hd = M->hidden, d = L->d;
     float *cs = scratch, *sn = cs + (size_t)n * d, *y = sn + (size_t)n * d, *nx = y + (size_t)n * hd;
     float *lg = nx + (size_t)n * hd, *rest = lg + (size_t)n * vout;
@@ -935,10 +942,14 @@ int mtp_greedy(const MtpInput *M, const Layer *L, const float *nw, float neps, c
         rms_norm(n, hd, h, nw, neps, nx);
         half_gemm(n, hd, vout, nx, out_w, out_b, lg);
         for (int i = 0; i < n; i++) {
-            const float *r = lg + (size_t)i * vout;
-            int best = 0;
-            for (int v = 1; v < vout; v++)
-                if (r[v] > r[best]) best = v;
+            float *r = lg + (size_t)i * vout;
+            int64_t best = 0;
+            if (keys) {
+                best = coupled_pick(vout, r, ids, temperature, word, keys[i], lengths[i] + j);
+            } else {
+                for (int v = 1; v < vout; v++)
+                    if (r[v] > r[best]) best = v;
+            }
             tokens[(size_t)i * tstride + col] = ids ? ids[best] : best;
         }
     }
@@ -1086,4 +1097,30 @@ void exp_noise(int r, int m, uint64_t word, const int64_t *keys, const int64_t *
     int items = pool_items(r, (long)r * m / NOISE_ITEM_VALUES);
     NoiseJob job = {r, m, items, word, keys, positions, tokens, out};
     parallel(noise_item, &job, items);
+}
+
+/* Coupled sampling's pick from logits x [v] (overwritten) at temperature t > 0: the index k of
+ * the largest e^(x_k / t - max) / E(token ids[k], or k) with E the position's exp_noise value,
+ * i.e. argmax p_k / E_k, what pipeline.spec_decode.sampling.coupled_sample picks from softmax(x / t)
+ * over the same noise (a draft vocabulary's tokens keyed by their ids, as its full-vocabulary
+ * logits with -inf elsewhere). For a draft: e^x and the division round apart from torch's
+ * softmax, which can change a pick only where two tokens tie to float32 precision. */
+static int64_t coupled_pick(int v, float *x, const int64_t *ids, float temperature, uint64_t word, int64_t key,
+                            int64_t position) {
+    float inv = 1.0f / temperature, mx = -INFINITY;
+    for (int k = 0; k < v; k++) {
+        x[k] *= inv;
+        mx = x[k] > mx ? x[k] : mx;
+    }
+    int k = 0;
+    for (; k + VW <= v; k += VW)
+        vstore(x + k, vexp(vmax(vsub(vload(x + k), vset(mx)), vset(-87.0f))));
+    for (; k < v; k++) {
+        float e = x[k] - mx;
+        x[k] = expf(e > -87.0f ? e : -87.0f);
+    }
+    uint64_t base = splitmix64(splitmix64(word ^ (uint64_t)key) ^ (uint64_t)position) + SPLIT_GOLDEN;
+    for (k = 0; k < v; k++)
+        x[k] /= split_noise(base + (uint64_t)(ids ? ids[k] : k) * SPLIT_GOLDEN);
+    return argmax_row(v, x);
 }

@@ -230,7 +230,7 @@ def load(path: Path):
     lib.mtp_greedy.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                                + [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 6 + [ctypes.c_int]
                                + [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p]
-                               + [ctypes.c_int, ctypes.c_void_p])
+                               + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p])
     return lib if _agrees(lib) else None
 
 
@@ -482,6 +482,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 C_NOISE = True       # False: exponential_noise is torch's (rng.exponential_noise), for comparisons
+C_DRAFT_PICKS = True  # False: coupled drafts are picked in torch (the engine's pick), for comparisons
 
 
 def exponential_noise(seed: int, row_keys: torch.Tensor, positions: torch.Tensor, vocab: int,
@@ -612,23 +613,31 @@ def draft_weights(head) -> NativeDraft | None:
 
 def mtp_greedy(nd: NativeDraft, n: int, first: int, last: int, h: torch.Tensor, lengths: torch.Tensor,
                cos_t: torch.Tensor, sin_t: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               valid: torch.Tensor | None, tokens: torch.Tensor, drafts_from: int = 0, drafts_to: int = -1) -> None:
+               valid: torch.Tensor | None, tokens: torch.Tensor, drafts_from: int = 0, drafts_to: int = -1,
+               coupled: tuple[float, int, torch.Tensor] | None = None) -> None:
     """Greedy drafts at depths first..last of one head into tokens[:, first - 1:last] (tokens
     [n, G] int64 contiguous, depth first - 1's draft in the column before where first >= 2);
     h [n, hidden] float32 contiguous: the hidden state at depth `first`, overwritten. cos_t,
     sin_t: rotary tables by position; valid: the head's filled keys [n, >= T] (bool), and
     each row's keys lengths + drafts_from .. lengths + drafts_to (this step's drafts) visible
-    besides (Drafter._visible's mask; the default range is empty)."""
+    besides (Drafter._visible's mask; the default range is empty).
+    coupled (temperature, seed, row keys [n]): coupled sampling's picks instead of the argmax,
+    over `exponential_noise`'s values (depth j's draft keyed at position lengths + j)."""
     layer = nd.head.layer
     lengths = lengths.contiguous()
     valid, stride = _valid_rows(valid)
     scratch = torch.empty(n * nd.scratch)
     w_ptr, b_ptr = nd.linear._ptrs
+    temperature, word, keys = 0.0, 0, None
+    if coupled is not None:
+        temperature, word, keys = coupled[0], rng.stream_word(coupled[1], rng.NOISE), coupled[2]
+        keys = keys.to(torch.int64).contiguous()                 # bound: the call reads its memory
     status = layer.lib.mtp_greedy(
         nd.head.ref, layer.ref, nd.norm.weight.data_ptr(), nd.norm.eps, w_ptr, b_ptr, nd.vout, _ptr(nd.ids), n,
         first, last, h.data_ptr(), lengths.data_ptr(), cos_t.data_ptr(), sin_t.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), k_cache.shape[2], _ptr(valid), stride, drafts_from, drafts_to, layer.window or 0, layer.scale,
-        tokens.data_ptr() + (first - 1) * tokens.element_size(), tokens.stride(0), scratch.data_ptr())
+        tokens.data_ptr() + (first - 1) * tokens.element_size(), tokens.stride(0), scratch.data_ptr(),
+        temperature, word, _ptr(keys))
     if status:
         raise MemoryError("mtp_greedy: no memory for its key mask or attention's scratch")
 
