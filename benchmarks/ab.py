@@ -106,7 +106,7 @@ def load_versions(model: str, device: str, batch: int, sets: list, load_sets: li
 def prompts_for(args, engine: Engine, n: int) -> list[list[int]]:
     if args.task == RANDOM:
         return random_prompts(n, engine.config.vocab_size, args.prompt_len, seed=0)
-    return task_prompts(str(args.data), args.task, n, engine.tokenizer)
+    return task_prompts(str(args.data), args.task, n, engine.tokenizer, args.long)
 
 
 def compare(args) -> list[dict]:
@@ -153,6 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data", type=Path, default=DEMO / "data" / "demo.parquet")
     ap.add_argument("--task", default="complete", help=f"a task of --data, or {RANDOM!r} (random token ids)")
     ap.add_argument("--prompt-len", type=int, default=32, help="a random prompt's length")
+    ap.add_argument("--long", type=int, default=0, help="task prompts after other rows' texts up to this many tokens")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--gammas", nargs="+", default=["0", "2", "auto"], help="fixed gammas and/or auto")
     ap.add_argument("--draft", default="mtp", help="draft sources: mtp (the heads), auto, ngram, none")

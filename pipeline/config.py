@@ -96,12 +96,15 @@ class SpecConfig:
     gamma_max: int = DEFAULT_GAMMA_MAX   # caps 'auto'
     prior: str | None = None      # a run directory (or a spec_prior.json) whose acceptance starts the plans
     draft: str = "auto"           # draft sources: 'auto' (per row, the source that pays), 'mtp', 'ngram', 'none'
+    draft_window: int | None = None   # MTP heads read each prompt's last N tokens (0: all); null: the checkpoint's draft_window.json
 
     def __post_init__(self) -> None:
         _check(self.draft in DRAFT_CHOICES,
                f"spec.draft must be one of {', '.join(DRAFT_CHOICES)}, got {self.draft!r}")
         _check(_is_int(self.gamma_max) and self.gamma_max >= 0,
                f"spec.gamma_max must be an int >= 0, got {self.gamma_max!r}")
+        _check(self.draft_window is None or (_is_int(self.draft_window) and self.draft_window >= 0),
+               f"spec.draft_window must be null or an int >= 0, got {self.draft_window!r}")
         if self.gamma != "auto":
             _check(_is_int(self.gamma) and self.gamma >= 0,
                    f"spec.gamma must be 'auto' or an int >= 0, got {self.gamma!r}")
@@ -208,14 +211,15 @@ class RunConfig:
 
     def hashed_dict(self) -> dict[str, Any]:
         """The settings that affect the outputs (not output.dir, resume, overwrite, cluster, job,
-        model.allow_pickle). Keys added later are left out at their defaults, so a run directory
-        written before they existed still resumes."""
+        model.allow_pickle, spec.prior, spec.draft_window). Keys added later are left out at their
+        defaults, so a run directory written before they existed still resumes."""
         d = self.to_dict()
         for key in (*_FLAGS, "cluster", "job"):
             d.pop(key, None)
         d["output"].pop("dir", None)
         d["model"].pop("allow_pickle", None)
         d["spec"].pop("prior", None)             # evidence to start from: gamma only, never the outputs
+        d["spec"].pop("draft_window", None)      # what the heads read: drafts only, never the outputs
         for section, key, default in _ADDED_LATER:
             if d[section].get(key) == default:
                 d[section].pop(key)

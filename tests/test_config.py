@@ -28,6 +28,8 @@ def test_defaults_build():
     ("spec__gamma", -1, "spec.gamma"),
     ("spec__gamma", "sometimes", "spec.gamma"),
     ("spec__gamma_max", -2, "spec.gamma_max"),
+    ("spec__draft_window", -1, "spec.draft_window"),
+    ("spec__draft_window", "last", "spec.draft_window"),
     ("engine__max_batch_size", 0, "engine.max_batch_size"),
     ("shards__rows_per_shard", 0, "shards.rows_per_shard"),
     ("sampling__temperature", -0.5, "sampling.temperature"),
@@ -87,12 +89,14 @@ def test_hash_of_a_config_without_the_newer_keys_is_unchanged():
     d["sampling"].pop("ignore_eos")
     d["sampling"].pop("verify")
     d["spec"].pop("prior")                                  # evidence to start from, never hashed
+    d["spec"].pop("draft_window")                           # what the heads read, likewise
     old = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert cfg.hash() == old
     assert RunConfig.from_dict(base(sampling__truncate_prompt=True)).hash() != RunConfig.from_dict(base()).hash()
     assert RunConfig.from_dict(base(sampling__verify="rejection")).hash() != RunConfig.from_dict(base()).hash()
     assert RunConfig.from_dict(base(model__allow_pickle=True)).hash() == RunConfig.from_dict(base()).hash()
     assert RunConfig.from_dict(base(spec__prior="runs/x")).hash() == RunConfig.from_dict(base()).hash()
+    assert RunConfig.from_dict(base(spec__draft_window=64)).hash() == RunConfig.from_dict(base()).hash()
 
 
 def test_config_diff_names_each_change():

@@ -165,7 +165,7 @@ def _task(cfg: RunConfig, record: RunRecord, t: Try, plan=None) -> ShardTask:
                      file_rows=record.source.file_rows, data=cfg.data,
                      keep_columns=cfg.output.keep_columns, sampling=cfg.sampling,
                      gamma=cfg.spec.gamma, gamma_max=cfg.spec.gamma_max, draft=cfg.spec.draft,
-                     output_dir=record.output_dir, probe=t.probe, bad_rows=t.bad_rows, plan=plan)
+                     draft_window=cfg.spec.draft_window, output_dir=record.output_dir, probe=t.probe, bad_rows=t.bad_rows, plan=plan)
 
 
 def _done(record: RunRecord, bar: Progress, retries: Retries, t: Try, result: ShardResult,

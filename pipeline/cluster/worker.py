@@ -42,6 +42,7 @@ class ShardTask:
     gamma: int | str                  # spec.gamma: 'auto' or an int >= 0
     gamma_max: int = DEFAULT_GAMMA_MAX   # spec.gamma_max: caps 'auto'
     draft: str = "auto"               # spec.draft: 'auto', 'mtp', 'ngram' or 'none'
+    draft_window: int | None = None   # spec.draft_window: prompt tokens the heads read (None: the checkpoint's)
     output_dir: str | None = None     # run directory (path or URI) the actor commits to; None: return rows
     probe: tuple[int, int] | None = None   # only rows [lo, hi) of the shard, output discarded (narrow.py)
     bad_rows: tuple[tuple[int, str], ...] = ()   # (row of the shard, error): written, not generated
@@ -205,6 +206,8 @@ def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
     priors = {} if priors is None else priors
     if hasattr(engine, "gamma_max"):
         engine.gamma_max = task.gamma_max
+    if task.draft_window is not None and hasattr(engine, "draft_window"):
+        engine.draft_window = task.draft_window
     table = read_task_rows(task)
     prompts, errors = build_prompts(table, task.data)
     for i, why in task.bad_rows:

@@ -3,12 +3,14 @@
 Stages: the held-out dataset (`data`), a BPE tokenizer, a small Llama trained from scratch
 (`base`), task fine-tuning (`sft`), optionally grown deeper and trained at that depth
 (`deepen`, pipeline/demo/grow.py: a deep target at the cost of training a shallow one), the MTP
-head (`mtp`), bfloat16 weights on disk (`store`) and the held-out acceptance report (`eval`).
+head (`mtp`), bfloat16 weights on disk (`store`), the heads' prompt window measured on the
+held-out data (`window`, pipeline.model.draft_window) and the held-out acceptance report (`eval`).
 
     python -m pipeline.run +job=build_demo          # the Hydra job (conf/job/build_demo.yaml)
     python -m pipeline.demo.build [--work-dir DIR] [--stages data,tokenizer,base,sft,deepen,mtp,eval]
     python -m pipeline.demo.build --stages vocab    # only a draft vocabulary for the shipped heads
     python -m pipeline.demo.build --stages store,eval   # re-store the weights, re-measure what ships
+    python -m pipeline.demo.build --stages window   # only the heads' prompt window (draft_window.json)
 
 Every stage is seeded and skips work it finds done in `work_dir` (the base model's training
 resumes from its last checkpoint), so an interrupted build continues where it stopped.
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
-STAGES = ("data", "tokenizer", "base", "sft", "deepen", "mtp", "store", "eval")
+STAGES = ("data", "tokenizer", "base", "sft", "deepen", "mtp", "store", "window", "eval")
 EXTRA_STAGES = ("vocab",)   # on request only: a draft vocabulary for heads built before they had one
 
 
@@ -126,6 +128,8 @@ def build(spec: BuildSpec, log=print) -> dict:
         store_weights(Path(spec.model_dir), spec.store_dtype, log=log)
     if "vocab" in spec.stages:
         write_corpus_draft_vocab(Path(spec.model_dir), records, spec.draft_vocab_size, log=log)
+    if "window" in spec.stages:          # before eval: the prior is measured as the engine will draft
+        result["draft_window"] = write_window(Path(spec.model_dir), Path(spec.data_path), str(dev), log)
     if "eval" in spec.stages:
         from pipeline.demo.evaluate import evaluate_acceptance
         from pipeline.engine.params import DEFAULT_GAMMA_MAX
@@ -168,6 +172,23 @@ def store_weights(model_dir: Path, dtype: str, log=print) -> None:
             continue
         save_file(stored, str(path), metadata=meta)
         log(f"stored {path.name} as {dtype}: {path.stat().st_size / 2**20:.1f} MiB")
+
+
+def write_window(model_dir: Path, data_path: Path, device: str, log, **kw) -> int:
+    """The heads' prompt window (pipeline.model.draft_window), measured on the held-out data
+    with whole prompts and the bench's long ones, stored as draft_window.json. `kw`:
+    pipeline.bench.draft_window.measure_windows's settings."""
+    from pipeline.bench.draft_window import markdown, measure_windows, tokens_per_step
+    from pipeline.engine import Engine
+    from pipeline.model.draft_window import choose_window, write_draft_window
+    opts = {"tasks": ("summarize", "complete", "json"), "windows": (0, 32, 64, 128, 256), **kw}
+    engine = Engine.from_pretrained(model_dir, device=device, max_batch_size=kw.get("batch", 8))
+    cells = measure_windows(engine, str(data_path), **opts)
+    measured = tokens_per_step(cells, opts["windows"])
+    chosen = choose_window(measured)
+    write_draft_window(model_dir, chosen, measured, f"pipeline.demo.build window stage on {data_path.name}")
+    log(f"window: heads read each prompt's last {chosen or 'all'} tokens\n{markdown(cells, opts['windows'])}")
+    return chosen
 
 
 def storable(t, dt):

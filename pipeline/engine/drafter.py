@@ -44,12 +44,13 @@ class PendingFill:
     next_ids: torch.Tensor    # [r, w] the token after each position
     count: torch.Tensor       # [r] valid entries (the rest is padding)
     from_zero: bool = False   # a prompt: every row starts at position 0
+    prompt: bool = False      # a prompt's fill (its rows' first), from position 0 or from a window's start
     slots: list[int] | None = None    # `rows` on the host, where the caller has them (no device read) ...
     counts: list[int] | None = None   # ... and `count`
 
     def select(self, keep: torch.Tensor) -> "PendingFill":
         return PendingFill(self.rows[keep], self.start[keep], self.hidden[keep], self.next_ids[keep],
-                           self.count[keep], self.from_zero)
+                           self.count[keep], self.from_zero, self.prompt)
 
     def without(self, slots: set[int]) -> "PendingFill":
         """The fill less the rows in `slots` (host mirrors kept where it has them)."""
@@ -573,5 +574,5 @@ class Drafter:
             self.carry[c, rows] = at_last
             if first is None:
                 first = at_last
-        self.carry_ok[rows] = ~self.gap[rows] if p.from_zero else True
+        self.carry_ok[rows] = ~self.gap[rows] if p.from_zero or p.prompt else True
         return first

@@ -20,6 +20,7 @@ from pipeline.engine.rows import Row
 from pipeline.engine.run import GenerateRun
 from pipeline.model import native
 from pipeline.model.cache import KVCache
+from pipeline.model.draft_window import read_draft_window
 from pipeline.model.loader import load_model, resolve_device, resolve_dtype
 from pipeline.spec_decode.cost import CostModel
 from pipeline.spec_decode.policy import FixedGamma, GammaPolicy, GoodputPolicy, make_policy
@@ -69,6 +70,8 @@ class Engine:
         self.ngram_evidence: dict[str | None, SpecStats] = {}  # task -> n-gram acceptance by match and depth
         self.output_lengths: dict[str, deque] = {}            # task -> its recent finished rows' lengths
         self.verify_layout = "auto"           # "padded" | "packed" | "auto" (pipeline.engine.verify)
+        path = getattr(loaded, "path", None)  # the MTP heads read each prompt's last this many tokens (0: all)
+        self.draft_window = read_draft_window(path) if path is not None else 0   # (pipeline.model.draft_window)
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype="auto", max_batch_size: int = 32,

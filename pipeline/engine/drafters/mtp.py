@@ -15,8 +15,11 @@ class MTPSource:
     needs_hidden = True
     cost_per = "depth"
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, prompt_window: int = 0):
+        """prompt_window: the heads read only each prompt's last this many tokens (0: all of it;
+        `after_prefill`)."""
         self.drafter = drafter
+        self.prompt_window = prompt_window
 
     @classmethod
     def for_engine(cls, engine, rows: int, capacity: int, coupled: bool = False,
@@ -30,7 +33,7 @@ class MTPSource:
                  if held_cache else None)
         drafter = Drafter(heads, rows, capacity, engine.config.hidden_size, engine.dtype, engine.device, cache=cache)
         drafter.full_vocab_picks = coupled
-        return cls(drafter)
+        return cls(drafter, getattr(engine, "draft_window", 0) or 0)
 
     def propose(self, req: DraftRequest) -> Proposal:
         drafts, probs = self.drafter.propose(req.n, req.lengths, req.max_len, req.pick)   # [n, g]
@@ -57,11 +60,29 @@ class MTPSource:
         return run
 
     def after_prefill(self, slots, hidden, ids, lens, first) -> None:
+        """The prompts' fill, run at their rows' first draft. With a prompt window W, a prompt
+        longer than W is filled from position len - W only: the heads' keys before it stay
+        masked, as a gap's do. The fill is work only drafting pays, ~1/L of the target's prefill
+        (one layer against L), and a head may draft better from the recent tokens alone: the demo's
+        heads kept or gained acceptance with W = 64 on prompts of ~20-440 tokens, at a quarter of
+        the fill on the long ones (docs/decisions.md, stop 57). Drafts only propose: the text is the
+        same at every W.
+        Example: lens [10, 3], W 4: row 0 fills positions 6..9, row 1 positions 0..2."""
         idx = torch.arange(len(lens), device=lens.device)
         next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
         next_ids[idx, lens - 1] = first
-        self.drafter.add_prompt(PendingFill(slots, torch.zeros_like(lens), hidden, next_ids, lens, from_zero=True),
-                                slots.tolist(), lens.tolist())
+        counts = lens.tolist()
+        w = self.prompt_window
+        if not w or max(counts) <= w:
+            fill = PendingFill(slots, torch.zeros_like(lens), hidden, next_ids, lens, from_zero=True, prompt=True)
+        else:
+            start = (lens - w).clamp(min=0)                                          # [r]
+            width = min(w, hidden.shape[1])
+            cols = (start[:, None] + torch.arange(width, device=lens.device)).clamp(max=hidden.shape[1] - 1)
+            counts = [min(c, w) for c in counts]
+            fill = PendingFill(slots, start, hidden[idx[:, None], cols], next_ids[idx[:, None], cols],
+                               lens.clamp(max=w), prompt=True)
+        self.drafter.add_prompt(fill, slots.tolist(), counts)
 
     def after_verify(self, n, lengths, hidden, emitted, num_accepted, accepted) -> None:
         """The step's accepted tokens wait for the heads' fill, cut to the most any row accepted:
