@@ -69,7 +69,8 @@ def test_coupled_text_is_the_same_at_every_window(path):
 def test_a_windowed_fill_leaves_the_keys_before_it_masked(path):
     """Rows of 10 and 3 prompt tokens, window 4: the heads' first fill marks keys 6..9 of row 0
     and 0..2 of row 1 valid (head 2: from its second position on, having no carry before the
-    window), and nothing before them; drafting then runs from there."""
+    window), and nothing before them; a row with a gap after its prompt carries nothing across
+    it, as after a whole prompt's fill; drafting then runs from there."""
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=2)
     engine.draft_window = 4
     source = MTPSource.for_engine(engine, 2, 32)
@@ -79,9 +80,11 @@ def test_a_windowed_fill_leaves_the_keys_before_it_masked(path):
     hidden = torch.randn(2, 10, engine.config.hidden_size)
     ids = torch.randint(0, 128, (2, 10))
     source.after_prefill(torch.arange(2), hidden, ids, lens, torch.tensor([7, 8]))
+    d.gap[0] = True                  # row 0 lost tokens after its prompt (a backlog overflow): no carry crosses
     with torch.inference_mode():
         drafts, _ = d.propose(2, lens, 2, lambda lg, _: (lg.argmax(-1), None))
     assert drafts.shape == (2, 2)
+    assert d.carry_ok.tolist()[:2] == [False, True]               # a prompt's fill, windowed or not
     valid = d.valid[:, :, :10]
     assert valid[0, 0].tolist() == [False] * 6 + [True] * 4
     assert valid[0, 1, :3].tolist() == [True] * 3 and not valid[0, 1, 3:].any()
