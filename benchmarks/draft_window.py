@@ -3,7 +3,9 @@ fill time at each window, per task, with the data's prompts and with long ones.
 
     python benchmarks/draft_window.py                                  # demo model and dataset
     python benchmarks/draft_window.py --windows 0 32 64 128 --write    # also store the choice
+    python benchmarks/draft_window.py --model CKPT --data prompts.parquet --column prompt --write
 
+Prompts: the demo tasks' rows in their formats, or (`--column`) any Parquet column as it is.
 Greedy decoding at a fixed gamma (`--gamma`), `--prompts` prompts of each task decoded `--batch`
 at a time, once with the data's prompts and once with each prompt after other rows' texts up to
 `--long` tokens (the bench's long prompts). Tokens per step are counts (greedy: the same on any
@@ -36,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEMO / "model")
     ap.add_argument("--data", type=Path, default=DEMO / "data" / "demo.parquet")
-    ap.add_argument("--tasks", nargs="+", default=list(TEMPLATES))
+    ap.add_argument("--tasks", nargs="+", default=list(TEMPLATES), help="demo tasks of --data")
+    ap.add_argument("--column", default=None, help="any Parquet: this column's values as the prompts (no tasks)")
     ap.add_argument("--windows", type=int, nargs="+", default=[0, 32, 64, 128, 256], help="0: the whole prompt")
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=24, help="prompts per task and length")
@@ -55,7 +58,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.model, device=args.device, max_batch_size=args.batch)
     cells = measure_windows(engine, args.data, args.tasks, args.windows, args.gamma, args.prompts, args.batch,
-                            args.long, args.new)
+                            args.long, args.new, args.column)
     measured = tokens_per_step(cells, args.windows)
     chosen = choose_window(measured)
     print(f"{args.model}, gamma {args.gamma}, batch {args.batch}, {args.prompts} prompts a cell, "
@@ -64,7 +67,8 @@ def main(argv=None) -> dict:
     print(f"chosen window: {chosen or 'all'} (pipeline.model.draft_window.choose_window)")
     if args.write:
         src = (f"benchmarks/draft_window.py --windows {' '.join(map(str, sorted(measured)))} --gamma {args.gamma} "
-               f"--prompts {args.prompts} --long {args.long} on {args.data.name}")
+               f"--prompts {args.prompts} --long {args.long} on {args.data.name}"
+               + (f" column {args.column}" if args.column else ""))
         print("wrote", write_draft_window(args.model, chosen, measured, src))
     report = {"chosen": chosen, "cells": {c: {str(w): v for w, v in by_w.items()} for c, by_w in cells.items()}}
     if args.out:

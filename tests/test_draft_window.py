@@ -148,3 +148,23 @@ def test_the_build_measures_and_stores_the_demos_window(tmp_path):
     assert set(body["measured"]) == {"0", "8"} and set(body["measured"]["8"]) == {"json/data", "json/long"}
     assert all(v > 1 for v in body["measured"]["0"].values())              # drafts were kept
     assert choose_window({int(w): v for w, v in body["measured"].items()}) == chosen
+
+
+def test_a_window_is_measured_on_any_parquet_column(tmp_path):
+    """benchmarks/draft_window.py --column: another dataset's prompts as they are, one cell per
+    prompt length, the text checked at each window."""
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.bench.draft_window import measure_windows, tokens_per_step
+    assets = Path(__file__).resolve().parents[1] / "pipeline" / "assets" / "demo"
+    rows = pq.read_table(assets / "data" / "demo.parquet", columns=["text"]).column("text").to_pylist()[:6]
+    data = tmp_path / "mine.parquet"
+    pq.write_table(pa.table({"prompt": [None] + [f"Summarize:\n{t}\n" for t in rows]}), data)
+    engine = Engine.from_pretrained(str(assets / "model"), device="cpu", max_batch_size=2)
+    cells = measure_windows(engine, str(data), (), (0, 8), prompts=2, batch=2, long_tokens=64, new=6, column="prompt")
+    assert set(cells) == {"prompt/data", "prompt/long"} and cells["prompt/long"]["prompt_tokens"] >= 64
+    assert engine.draft_window == read_draft_window(assets / "model")   # the engine's own window, put back
+    assert set(tokens_per_step(cells, (0, 8))) == {0, 8}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from pipeline.bench.prompts import task_prompts
+from pipeline.bench.prompts import column_prompts, task_prompts
 from pipeline.engine import Engine, SamplingParams
 
 
@@ -33,18 +33,20 @@ def measure(engine: Engine, prompts: list, window: int, gamma: int, batch: int, 
 
 
 def measure_windows(engine: Engine, data_path: str, tasks, windows, gamma: int = 3, prompts: int = 24,
-                    batch: int = 8, long_tokens: int = 384, new: int = 64) -> dict:
+                    batch: int = 8, long_tokens: int = 384, new: int = 64, column: str | None = None) -> dict:
     """"task/data" and "task/long" -> window -> measure()'s numbers (texts dropped), plus
-    "prompt_tokens". Raises AssertionError where a window changes the text. The engine's own
-    window is put back after."""
+    "prompt_tokens". Prompts: the demo tasks' rows in their formats, or with `column` that
+    column's values as they are (one task, `column`). Raises AssertionError where a window
+    changes the text. The engine's own window is put back after."""
     kept = engine.draft_window
     windows = sorted(set(windows) | {0})
     lengths = {"data": 0, "long": long_tokens} if long_tokens else {"data": 0}
     cells = {}
     try:
-        for task in tasks:
+        for task in ([column] if column else tasks):
             for name, length in lengths.items():
-                ps = task_prompts(str(data_path), task, prompts, engine.tokenizer, length)
+                ps = (column_prompts(str(data_path), column, prompts, engine.tokenizer, length) if column
+                      else task_prompts(str(data_path), task, prompts, engine.tokenizer, length))
                 measure(engine, ps[:batch], 0, gamma, batch, new, task)                  # warm-up
                 got = {w: measure(engine, ps, w, gamma, batch, new, task) for w in windows}
                 for w in windows:

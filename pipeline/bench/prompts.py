@@ -20,10 +20,22 @@ def task_prompts(data_path: str, task: str, n: int, tokenizer=None, long_tokens:
     """n prompts of `task` (rows reused in turn when there are fewer), as strings, or as token ids
     when `tokenizer` is given. long_tokens > 0: other rows' texts go before each prompt as context
     until it is at least that many tokens (needs `tokenizer`)."""
-    texts = task_texts(data_path, task)
+    return _prompts(task_texts(data_path, task), TEMPLATES[task], n, tokenizer, long_tokens)
+
+
+def column_prompts(data_path: str, column: str, n: int, tokenizer=None, long_tokens: int = 0) -> list:
+    """task_prompts for any Parquet file: the first rows' non-null values of `column`, used as
+    they are (no template)."""
+    texts = [t for t in pq.read_table(data_path, columns=[column]).column(column).to_pylist() if t]
+    if not texts:
+        raise ValueError(f"{data_path}: no text in column {column!r}")
+    return _prompts(texts[:max(n, 1) * 2], "{text}", n, tokenizer, long_tokens)
+
+
+def _prompts(texts: list[str], template: str, n: int, tokenizer, long_tokens: int) -> list:
     out = []
     for i in range(n):
-        prompt = TEMPLATES[task].format(text=texts[i % len(texts)])
+        prompt = template.format(text=texts[i % len(texts)])
         if long_tokens:
             context, j = [], i + 1
             while len(tokenizer("\n\n".join(context + [prompt]))["input_ids"]) < long_tokens:
