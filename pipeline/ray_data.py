@@ -106,6 +106,7 @@ def build_processor(model_path: str, prompt_column: str | None = "prompt", templ
                     sampling: SamplingParams | Mapping[str, Any] | None = None, gamma: int | str = "auto",
                     draft: str = "auto", concurrency: int | tuple[int, int] = 1, num_gpus: float = 0,
                     batch_size: int = 64, *, num_cpus: float | None = None, gamma_max: int = DEFAULT_GAMMA_MAX,
+                    draft_window: int | None = None,
                     max_batch_size: int = 32, id_column: str | None = None,
                     task_column: str | None = None, device: str = "auto", dtype: str = "auto",
                     allow_pickle: bool = False, max_restarts: int | None = None, loader: Any = LOADER,
@@ -116,7 +117,9 @@ def build_processor(model_path: str, prompt_column: str | None = "prompt", templ
     (pipeline/cluster/model_files.py). prompt_column / template: as data.prompt_column /
     data.template (a template such as "Summarize:\\n{text}\\nSummary:" names columns).
     sampling: SamplingParams fields (max_new_tokens, temperature, top_p, top_k, seed, stop,
-    truncate_prompt). gamma: 'auto' or an int >= 0, gamma_max caps 'auto'. draft: 'auto',
+    truncate_prompt). gamma: 'auto' or an int >= 0, gamma_max caps 'auto'. draft_window: the MTP
+    heads read each prompt's last this many tokens (0: all; None: the checkpoint's, as
+    spec.draft_window). draft: 'auto',
     'mtp', 'ngram' or 'none', passed to the engine where its generate takes `draft` (which
     checks it; else ignored: the engine drafts with its MTP heads). concurrency: actors (or (min, max));
     num_gpus / num_cpus: per actor (num_cpus defaults to 1 on CPU actors, which run that many
@@ -139,11 +142,12 @@ def build_processor(model_path: str, prompt_column: str | None = "prompt", templ
     if not isinstance(sampling, SamplingParams):
         sampling = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v
                                      for k, v in dict(sampling or {}).items()})
-    spec = SpecConfig(gamma=gamma, gamma_max=gamma_max)
+    spec = SpecConfig(gamma=gamma, gamma_max=gamma_max, draft_window=draft_window)
     stage_kwargs = dict(model=ModelConfig(path=str(model_path), device=device, dtype=dtype,
                                           allow_pickle=allow_pickle),
                         engine=EngineConfig(max_batch_size=max_batch_size), data=data,
                         sampling=sampling, gamma=spec.gamma, gamma_max=spec.gamma_max, draft=draft,
+                        draft_window=spec.draft_window,
                         num_threads=None if num_gpus else max(1, int(num_cpus or 1)), loader=loader)
     resources = {"num_gpus": num_gpus} if num_gpus else {"num_cpus": num_cpus or 1}
     if num_gpus and num_cpus is not None:

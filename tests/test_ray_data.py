@@ -80,7 +80,8 @@ def test_parquet_through_processor_matches_pipeline(assets, ray_local, tmp_path)
 
     processor = build_processor(assets["model"], prompt_column="prompt",
                                 sampling=dict(max_new_tokens=6), gamma="auto", concurrency=2,
-                                num_gpus=0, batch_size=3, max_batch_size=4)
+                                num_gpus=0, batch_size=3, max_batch_size=4, draft_window=4)
+    assert processor.stage_kwargs["draft_window"] == 4          # each actor's engine reads 4 prompt tokens
     processor(ray.data.read_parquet(assets["data"]).repartition(2)).write_parquet(str(tmp_path / "out"))
     out = pads.dataset(str(tmp_path / "out"), format="parquet").to_table()
 
@@ -194,6 +195,33 @@ def test_narrowing_finds_the_failing_row():
 
     with pytest.raises(UserError):
         narrowed(config_error, [0, 1])
+
+
+def test_a_bad_draft_window_fails_when_the_processor_is_built():
+    from pipeline.config import ConfigError
+    from pipeline.ray_data import build_processor
+    with pytest.raises(ConfigError, match="spec.draft_window"):
+        build_processor("model", draft_window=-1)
+
+
+def test_a_stage_sets_its_engines_draft_window(monkeypatch):
+    """GenerateStage passes draft_window to its engine (None leaves the checkpoint's)."""
+    import pipeline.cluster.actor as actor
+    from pipeline.cluster.data_stage import GenerateStage
+
+    class Engine:
+        draft_window = 32
+
+        def generate(self, prompts, params=None, gamma="auto", row_keys=None):
+            return []
+
+    class Worker:
+        def __init__(self, *a):
+            self.engine, self.info, self.priors = Engine(), {"actor_id": "a"}, {}
+    monkeypatch.setattr(actor, "ShardWorker", Worker)
+    args = (None, None, None, None, "auto", 5, "auto", 1, None, None, "run")
+    assert GenerateStage(*args).engine.draft_window == 32
+    assert GenerateStage(*args, draft_window=8).engine.draft_window == 8
 
 
 def test_draft_is_passed_only_to_an_engine_that_takes_it():

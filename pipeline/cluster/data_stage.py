@@ -131,13 +131,16 @@ class GenerateStage:
 
     def __init__(self, model: ModelConfig, engine: EngineConfig, data: DataConfig,
                  sampling: SamplingParams, gamma: int | str, gamma_max: int, draft: str,
-                 num_threads: int | None, loader: Any, collector: Any, run_name: str) -> None:
+                 num_threads: int | None, loader: Any, collector: Any, run_name: str,
+                 draft_window: int | None = None) -> None:
         from pipeline.cluster.actor import ShardWorker
         from pipeline.cluster.metrics import RunMetrics
 
         worker = ShardWorker(model, engine, num_threads, loader)
         if hasattr(worker.engine, "gamma_max"):
             worker.engine.gamma_max = gamma_max
+        if draft_window is not None and hasattr(worker.engine, "draft_window"):
+            worker.engine.draft_window = draft_window
         self.engine = with_draft(worker.engine, draft)
         self.info, self.priors = worker.info, worker.priors
         self.data, self.sampling, self.gamma = data, sampling, gamma
