@@ -168,3 +168,16 @@ def test_a_window_is_measured_on_any_parquet_column(tmp_path):
     assert set(cells) == {"prompt/data", "prompt/long"} and cells["prompt/long"]["prompt_tokens"] >= 64
     assert engine.draft_window == read_draft_window(assets / "model")   # the engine's own window, put back
     assert set(tokens_per_step(cells, (0, 8))) == {0, 8}
+
+
+def test_the_driver_hands_spec_draft_window_to_each_shard_task():
+    from types import SimpleNamespace
+
+    from pipeline.cluster.driver import _task
+    from pipeline.config import RunConfig
+    from tests.test_config import base
+    record = SimpleNamespace(attempts={}, source=SimpleNamespace(files=("f",), file_rows=(3,)), output_dir="out")
+    t = SimpleNamespace(shard=SimpleNamespace(shard_id=0), attempt=1, probe=None, bad_rows=())
+    for window in (None, 0, 48):
+        cfg = RunConfig.from_dict(base(spec__draft_window=window))
+        assert _task(cfg, record, t).draft_window == window

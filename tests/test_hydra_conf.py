@@ -53,9 +53,10 @@ def test_base_config_has_every_design_key():
 
 
 def test_overrides_reach_the_validated_config():
-    cfg = compose_job("summarize", ["spec.gamma=3", "data.limit=7"])
+    cfg = compose_job("summarize", ["spec.gamma=3", "data.limit=7", "spec.draft_window=16"])
     run = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
-    assert run.spec.gamma == 3 and run.data.limit == 7
+    assert run.spec.gamma == 3 and run.data.limit == 7 and run.spec.draft_window == 16
+    assert RunConfig.from_dict(OmegaConf.to_container(compose_job("summarize"), resolve=True)).spec.draft_window is None
     assert run.model.path.endswith("assets/demo/model")
 
 
