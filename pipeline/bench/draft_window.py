@@ -4,30 +4,28 @@ decode tokens/s, the text checked against the whole prompt's. Used by
 `benchmarks/draft_window.py` and the demo build's `window` stage."""
 from __future__ import annotations
 
-import time
-
 from pipeline.bench.prompts import column_prompts, task_prompts
+from pipeline.bench.systems import run_engine
 from pipeline.engine import Engine, SamplingParams
 
 
 def measure(engine: Engine, prompts: list, window: int, gamma: int, batch: int, new: int, task: str) -> dict:
     """One window over `prompts`, `batch` at a time, greedy at `gamma`: tokens per drafted
-    row-step, the heads' prompt fill ms a prompt, decode tokens/s (the target's prefill left out)."""
+    row-step, the heads' prompt fill ms a prompt, and decode tokens/s as `+job=bench` counts
+    them (systems.run_engine: the target's prefill and each row's first token left out)."""
     engine.draft_window = window
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
     tokens, rows, emitted, fill_s, decode_s, texts = 0, 0, 0, 0.0, 0.0, []
     for i in range(0, len(prompts), batch):
-        t = time.perf_counter()
-        outs = engine.generate(prompts[i:i + batch], params, gamma=gamma, task=task)
-        wall = time.perf_counter() - t
+        m = run_engine(engine, prompts[i:i + batch], params, gamma, task=task)
         st = engine.last_stats
         drafted = [s for s in st.steps if s.gamma > 0]
         emitted += sum(s.emitted for s in drafted)
         rows += sum(s.rows for s in drafted)
-        fill_s += sum(p.seconds for p in st.prefills if p.rows == 0)
-        decode_s += wall - sum(p.seconds for p in st.prefills if p.rows > 0)
-        tokens += sum(len(o.token_ids) for o in outs)
-        texts += [o.token_ids for o in outs]
+        fill_s += sum(p.seconds for p in st.prefills if not p.rows)
+        decode_s += m.decode_s
+        tokens += m.decode_tokens
+        texts += m.token_ids
     return {"tokens_per_step": emitted / max(rows, 1), "fill_ms": 1e3 * fill_s / len(prompts),
             "tokens_per_s": tokens / max(decode_s, 1e-9), "texts": texts}
 
