@@ -135,12 +135,10 @@ class GenerateStage:
                  draft_window: int | None = None) -> None:
         from pipeline.cluster.actor import ShardWorker
         from pipeline.cluster.metrics import RunMetrics
+        from pipeline.cluster.worker import apply_spec
 
         worker = ShardWorker(model, engine, num_threads, loader)
-        if hasattr(worker.engine, "gamma_max"):
-            worker.engine.gamma_max = gamma_max
-        if draft_window is not None and hasattr(worker.engine, "draft_window"):
-            worker.engine.draft_window = draft_window
+        apply_spec(worker.engine, gamma_max, draft_window)
         self.engine = with_draft(worker.engine, draft)
         self.info, self.priors = worker.info, worker.priors
         self.data, self.sampling, self.gamma = data, sampling, gamma

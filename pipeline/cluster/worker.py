@@ -198,16 +198,22 @@ def generate_group(engine: Any, prompts: list[str], keys: list[int], sampling: S
     return results, measured, counts
 
 
+def apply_spec(engine: Any, gamma_max: int, draft_window: int | None) -> None:
+    """spec.gamma_max and spec.draft_window onto an engine that has them (a custom loader's may
+    not); draft_window None leaves the checkpoint's."""
+    if hasattr(engine, "gamma_max"):
+        engine.gamma_max = gamma_max
+    if draft_window is not None and hasattr(engine, "draft_window"):
+        engine.draft_window = draft_window
+
+
 def process_shard(engine: Any, task: ShardTask, info: dict | None = None,
                   priors: dict | None = None) -> ShardResult:
     """Generate every row of `task.shard`; info carries device, actor_id, node_id, threads.
     `priors` (task -> acceptance counters) persists across an actor's shards."""
     info = info or {}
     priors = {} if priors is None else priors
-    if hasattr(engine, "gamma_max"):
-        engine.gamma_max = task.gamma_max
-    if task.draft_window is not None and hasattr(engine, "draft_window"):
-        engine.draft_window = task.draft_window
+    apply_spec(engine, task.gamma_max, task.draft_window)
     table = read_task_rows(task)
     prompts, errors = build_prompts(table, task.data)
     for i, why in task.bad_rows:
