@@ -620,3 +620,55 @@ def test_sources_sum_their_deferred_work_by_slot():
     assert sources.waiting_tokens() == {0: 114, 2: 7}
     assert sources.take_prompt_fill() == (pytest.approx(3e-3), 118)
     assert sources.take_prompt_fill() == (0.0, 0)                 # taken once
+
+
+def test_any_row_pays_is_what_either_pricing_keeps_for_rows_at_the_best_p():
+    """The pre-check worked out per depth says what padded_lengths and draft_lengths say over
+    all n x G entries, on random shapes, prices and acceptances (both ways)."""
+    from pipeline.spec_decode.row_drafts import any_row_pays, cumulative, draft_lengths, padded_lengths
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(3000):
+        n, g = rng.choice([1, 2, 3, 7, 48]), rng.randint(1, 5)
+        best = cumulative([rng.uniform(0.0, 1.0) for _ in range(g)])
+        base = rng.uniform(1.0, 20.0)
+        costs = sorted([base] + [base * rng.uniform(1.0, 2.5) for _ in range(g)])
+        token, first, gain = rng.uniform(0.0, 0.5) * base / n, rng.uniform(0, 0.3) * base, rng.choice([0.0, 0.05])
+        rows = [best] * n
+        want = any(padded_lengths(rows, costs, gain)) or any(draft_lengths(rows, costs[0], token, first, gain))
+        assert any_row_pays(best, n, costs, token, first, gain) == want
+        seen.add(want)
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("bound,lookups", [(True, 0), (False, 12)])
+def test_no_lookup_where_even_the_best_match_on_every_row_cannot_pay(bound, lookups):
+    """With the heads at gamma 0, an n-gram lookup is made only where a draft could pay at this
+    shape: where a verified token costs what an emitted one does (compute-bound), not even a
+    3-token match on every row keeps a draft, so none is looked up; where a wider verify costs
+    little more than a plain step, every step looks up (its strong matches are kept)."""
+    from pipeline.engine.drafters.base import Proposal
+    from pipeline.engine.drafting import DraftPlanner
+    from pipeline.spec_decode.cost import CostModel
+    from pipeline.spec_decode.stats import SpecStats
+
+    calls = []
+
+    class Ngram:
+        def propose(self, req):
+            calls.append(1)
+            return Proposal(torch.tensor([[5, 6, 7]] * 4), torch.tensor([3] * 4), None, [3] * 4, 0.0, [3] * 4)
+
+    class Heads:
+        def skip(self):
+            pass
+
+    verify = (1e-6, 1e-3, 0.0, 0.0) if bound else (10e-3, 1e-5, 0.0, 0.0)   # per step, per token
+    model = CostModel(verify, 0.0, (0.0, 0.0, 0.0, 0.0), 0)
+    stats = SpecStats(source_reached={"ngram:3": [100] * 3}, source_accepted={"ngram:3": [90] * 3})
+    planner = DraftPlanner({"ngram": Ngram(), "mtp": Heads()}, auto=True, ngram_cap=3, evidence=None,
+                           cost_model=lambda: model, params=None)
+    for _ in range(12):
+        out = planner.plan(4, torch.tensor([10] * 4), [None] * 4, 0, None, stats, None, 10.0, False)
+        assert out.drafts.shape[1] == (0 if bound else 3)
+    assert len(calls) == lookups

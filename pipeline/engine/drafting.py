@@ -22,8 +22,8 @@ from pipeline.engine.drafters import DraftRequest
 from pipeline.spec_decode.policy import estimate_acceptance
 from pipeline.spec_decode.acceptance import PAD, pad_mask
 from pipeline.engine.verify import packs
-from pipeline.spec_decode.row_drafts import (leading, acceptance_table, cumulative, draft_lengths, kept,
-                                              padded_lengths, rows_p, tail_lengths, takes_heads)
+from pipeline.spec_decode.row_drafts import (leading, acceptance_table, any_row_pays, cumulative, draft_lengths,
+                                              kept, padded_lengths, rows_p, tail_lengths, takes_heads)
 from pipeline.spec_decode.stats import SpecStats, _add_list_maps
 
 MIN_GAIN = 0.05       # per-row drafts must predict this much over plain decoding (as GoodputPolicy.min_gain)
@@ -123,7 +123,8 @@ class DraftPlanner:
         self.sources, self.auto, self.ngram_cap = sources, auto, ngram_cap
         self.evidence, self.cost_model, self.params = evidence, cost_model, params
         self.layout = layout              # the verify layout (pipeline.engine.verify): what to price
-        self._table, self._asked = None, 0
+        self._table, self._asked, self._table_version = None, 0, 0
+        self._may_pay: dict[tuple, bool] = {}        # (rows, context bucket, model, table) -> `_lookup_may_pay`
         self._pause = Backoff()                      # the per-row lookup, where no n-gram draft pays
         self._tail_pause = Backoff(TAIL_MISSES)      # the heads rows' tails, likewise
 
@@ -135,7 +136,8 @@ class DraftPlanner:
         dev = lengths.device
         mtp, ngram = self.sources.get("mtp"), self.sources.get("ngram")
         ng, looked = None, 0.0
-        if not self._pause.skip() and ngram is not None and self.ngram_cap > 0 and not measuring:
+        if (ngram is not None and self.ngram_cap > 0 and not measuring and not self._pause.skip()
+                and (mtp_gamma > 0 or self._lookup_may_pay(n, ctx, stats))):
             ng = ngram.propose(DraftRequest(n, lengths, self.ngram_cap, pick, rows))
             looked = ng.seconds
             if not any(ng.match):
@@ -201,6 +203,32 @@ class DraftPlanner:
             base = n + sum(use_mtp) * sum(cum_mtp) + kept(p_ng, [0 if u else k for u, k in zip(use_mtp, lens)])
             plan = self._add_tails(plan, rows, use_mtp, lens, base, cum_mtp[-1], stats, n, ctx)
         return plan
+
+    def _lookup_may_pay(self, n: int, ctx: float, stats: SpecStats) -> bool:
+        """Whether n-gram drafts could pay at this shape where the heads do not run: False where
+        even every row matching at the best length with a full proposal keeps no draft, under
+        either verify layout (each row's P is at most that row's, so neither pricing keeps more
+        for real rows): at a compute-bound batch a verified token costs what an emitted one
+        does, and the lookup's host time (~0.5 ms at 48 rows) would be spent for nothing.
+        Asked once per shape and cost model (the acceptance table moves slowly); True without
+        `auto` or a cost model. Example, 48 rows on the demo's CPU: a 2-token verify 1.9x a plain
+        step: (48 + 48 x 0.8) / 1.9 < 48 a step at width 1, and packed drafts at ~2 tokens' cost
+        each gain less still: no lookup; at 4 rows (1.3x) it pays: looked up."""
+        model = self.cost_model() if self.auto else None
+        if model is None:
+            return True
+        key = (n, int(ctx) // 64, id(model), self._table_version)
+        may = self._may_pay.get(key)
+        if may is None:
+            cum = self._ngram_cum(stats, self.ngram_cap)
+            best = [max(c[j] for c in cum) for j in range(len(cum[0]))]
+            costs = width_costs(model, n, ctx, len(best))
+            token = token_cost(costs, model.multi_token_s, n)
+            may = any_row_pays(best, n, costs, token * GATHER_COST, model.multi_token_s, MIN_GAIN)
+            if len(self._may_pay) >= 256:
+                self._may_pay.clear()
+            self._may_pay[key] = may
+        return may
 
     def _heads_step(self, n: int, lengths, rows, gamma: int, pick, looked: float, cum: list[float],
                     stats: SpecStats, ctx: float) -> StepDrafts:
@@ -292,6 +320,7 @@ class DraftPlanner:
                                      _add_list_maps(ev.source_accepted, stats.source_accepted), "ngram",
                                      max(depth, self.ngram_cap))
             self._table = [cumulative(a) for a in table]
+            self._table_version += 1
         return [c[:depth] for c in self._table] if len(self._table[0]) > depth else self._table
 
     def _heads_pay(self, p_ng: list[list[float]], use_mtp: list[bool], p_mtp: float, gamma: int, n: int,

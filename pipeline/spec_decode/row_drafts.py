@@ -124,3 +124,35 @@ def tail_lengths(p_tail: list[list[float]], width: int, gamma: int, base: float,
         if gp > best:
             best_w, best = w, gp
     return [min(leading(t), best_w - gamma) for t in p_tail]
+
+
+def any_row_pays(best: list[float], n: int, costs: list[float], token_s: float, first_s: float = 0.0,
+                 min_gain: float = 0.0) -> bool:
+    """Whether n rows that all had P `best` [G] would keep any draft under `padded_lengths` (costs)
+    or `draft_lengths` (costs[0] as base_s, token_s, first_s): what those give on [best] * n,
+    worked out per depth instead of over n x G entries. Rows whose P is at most `best` keep
+    none where this is False (either pricing's goodput only falls as P does).
+    Padded at width W: (n + n S_W) / costs[W], S_W = sum_{j<W} best_j. Ragged: the k largest P
+    are whole depths of n rows, then part of the next; within a depth goodput over k is a ratio
+    of linear functions, monotone, so it peaks at a depth's end (its start is the last depth's
+    end plus drafts that each gain less than the mean, or k = 0: plain decoding, with
+    first_s >= 0).
+    Example: best [0.8], n 48, costs [12, 23] ms, token 0.24 ms, first 0: padded 86 / 23 < 48 / 12,
+    ragged 48.8 / 12.24 and 86.4 / 23.5 < 4.2: False."""
+    if n == 0 or not best:
+        return False
+    bar = (1 + min_gain) / costs[0]                       # tokens a second per row that plain decoding makes
+    total = 1.0
+    for w, x in enumerate(best, start=1):
+        total += x
+        if w < len(costs) and total / costs[w] > bar:
+            return True
+    bar *= n
+    base, total = costs[0], float(n)
+    for k, x in enumerate(best, start=1):
+        if x <= 0:
+            break
+        total += n * x
+        if total / (base + first_s + token_s * n * k) > bar:
+            return True
+    return False

@@ -9,6 +9,7 @@ token however long the actor runs.
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 
 ORDERS = (3, 2)          # n-gram lengths indexed (longest first)
 
@@ -32,8 +33,7 @@ class TaskIndex:
         self._by_id[sid] = tokens
         self.held += len(tokens)
         for m in self.orders:
-            for end in range(m, len(tokens)):
-                self.keys[tuple(tokens[end - m:end])] = (sid, end)
+            self.keys.update(_entries(sid, tokens, m))
         while self.held > self.max_tokens:
             self._evict()
 
@@ -41,11 +41,11 @@ class TaskIndex:
         sid, tokens = self.seqs.popleft()
         del self._by_id[sid]
         self.held -= len(tokens)
+        keys = self.keys
         for m in self.orders:
-            for end in range(m, len(tokens)):
-                key = tuple(tokens[end - m:end])
-                if self.keys.get(key, (None,))[0] == sid:
-                    del self.keys[key]
+            stale = [key for key, hit in _entries(sid, tokens, m) if keys.get(key) == hit]
+            for key in stale:                  # keys a newer output holds point there: kept
+                del keys[key]
 
     def lookup(self, key: tuple, k: int) -> list[int]:
         """Up to k tokens that followed `key` in the newest output holding it ([] if none)."""
@@ -54,3 +54,11 @@ class TaskIndex:
             return []
         sid, end = hit
         return self._by_id[sid][end:end + k]
+
+
+def _entries(sid: int, tokens: list[int], m: int):
+    """(n-gram, (sid, end)) for every m-gram of `tokens` that has a continuation, oldest first,
+    built by zips over shifted slices (one dict.update per order: a Python loop of tuple slices
+    was ~50 us per 64-token output, paid each time a row finishes). Example: m 2, [5, 6, 7] ->
+    ((5, 6), (sid, 2))."""
+    return zip(zip(*[tokens[j:len(tokens) - m + j] for j in range(m)]), zip(repeat(sid), range(m, len(tokens))))
