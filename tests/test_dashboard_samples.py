@@ -67,8 +67,6 @@ def test_cost_model_round_trips_through_a_stats_row():
 def test_dashboard_line_is_the_models_own_verify_time():
     """The dashboard's "policy's model" line is the model the policy prices with: at the samples'
     tokens per row (q = 3) it carries the multi-token term."""
-    import json
-
     from pipeline.cluster.step_samples import cost_model_json
     from pipeline.dashboard.timeline import cost_figure
 

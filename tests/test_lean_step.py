@@ -714,7 +714,6 @@ def test_native_decoder_layer_is_the_modules_forward(qkv_bias, window, monkeypat
     tokens, cache rows out of order, key holes), biases, a sliding window; the same cache
     writes (to rounding: past its crossover a module's linear is MKL's). Past its linears'
     float16 rows the layer takes the modules."""
-    from pipeline.model import native
     from pipeline.model.cache import Batch, KVCache
     from pipeline.model.config import ArchConfig
     from pipeline.model import packed

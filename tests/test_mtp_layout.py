@@ -25,7 +25,7 @@ def _write_deepseek_head(path, with_head: bool, with_embed: bool, seed: int = 0)
     n = config["num_hidden_layers"]
     tensors = load_file(str(path / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
-    shapes = {k.split(f"model.layers.0.", 1)[1]: v.shape for k, v in tensors.items() if k.startswith("model.layers.0.")}
+    shapes = {k.split("model.layers.0.", 1)[1]: v.shape for k, v in tensors.items() if k.startswith("model.layers.0.")}
     head = {name: torch.randn(shape, generator=gen) * 0.2 for name, shape in shapes.items()}
     head.update({"enorm.weight": 1 + 0.1 * torch.randn(H, generator=gen),
                  "hnorm.weight": 1 + 0.1 * torch.randn(H, generator=gen),

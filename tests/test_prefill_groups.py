@@ -1,8 +1,6 @@
 """Admission prefills prompts of similar length together, so little of a forward is padding."""
 import random
 
-import pytest
-
 from pipeline.engine import Engine, SamplingParams
 from pipeline.engine.run import PAD_SLACK, prefill_groups
 from tests.tiny_models import hf_greedy, random_prompts, tiny_checkpoint
