@@ -985,6 +985,51 @@ def test_a_heads_step_fill_in_c_is_the_torch_paths(tmp_path, monkeypatch):
     assert calls == [1] * 3 + [3] * 3              # the C path's fills, and none of the torch path's
 
 
+@pytest.mark.parametrize("window", [0, 4])
+def test_a_prompts_fill_in_c_is_the_torch_paths(tmp_path, monkeypatch, window):
+    """A prompt's fill (whole, from position 0, and cut to a window of 4) runs as one C call where
+    its rows are slots 0..r-1 and leaves what the torch path leaves: the head's key mask, KV
+    cache, carry, carry_ok (False after a gap) and depth-1 state; the drafts from there match.
+    One row (batch 1) and three of different lengths."""
+    from pipeline.engine.drafters.mtp import MTPSource
+    from pipeline.model import native
+    from pipeline.spec_decode.sampling import GREEDY_PICK
+    engine = _native_demo_like_engine(tmp_path, monkeypatch, heads=1)
+    calls = []
+    real = native.mtp_fill
+    monkeypatch.setattr(native, "mtp_fill", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    hidden = engine.config.hidden_size
+    for lens in ([7], [5, 3, 4]):              # (the C path takes up to 16 tokens here: fp16_gemm_rows)
+        n, width = len(lens), max(lens)
+        gen = torch.Generator().manual_seed(n)
+        c_src, torch_src = (MTPSource.for_engine(engine, 3, 64) for _ in range(2))
+        torch_src.drafter.native_fill = False
+        firsts = []
+        for src in (c_src, torch_src):
+            src.prompt_window = window
+            d = src.drafter
+            d._fill = lambda pending, fill_of=d._fill: firsts.append(fill_of(pending).clone()) or firsts[-1]
+        ids = torch.randint(0, 128, (n, width), generator=gen)
+        states = torch.randn(n, width, hidden, generator=gen)
+        lengths, first = torch.tensor(lens), torch.randint(0, 128, (n,), generator=gen)
+        calls.clear()
+        drafts = []
+        for src in (c_src, torch_src):
+            src.drafter.gap[:n] = torch.tensor([i == 1 for i in range(n)])      # row 1 lost tokens after its prompt
+            src.after_prefill(torch.arange(n), states, ids, lengths, first)
+            with torch.inference_mode():
+                drafts.append(src.drafter.propose(n, lengths, 3, GREEDY_PICK)[0])
+        c, t = c_src.drafter, torch_src.drafter
+        assert calls == [n] and len(firsts) == 2, (lens, calls)
+        torch.testing.assert_close(firsts[0], firsts[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c.carry, t.carry, rtol=1e-5, atol=1e-5)
+        assert torch.equal(c.valid, t.valid) and torch.equal(c.carry_ok, t.carry_ok)
+        assert c.carry_ok[:n].tolist() == [i != 1 for i in range(n)]
+        torch.testing.assert_close(c.cache.k, t.cache.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c.cache.v, t.cache.v, rtol=1e-5, atol=1e-5)
+        assert torch.equal(drafts[0], drafts[1]), lens
+
+
 def test_generate_decodes_the_same_tokens_on_one_thread_and_two(tmp_path, monkeypatch):
     """A generate call on two torch threads runs the C kernels on both (native.cpu_threads) and
     decodes what it does on one: greedy under auto and a fixed gamma, and seeded sampling; torch

@@ -75,7 +75,8 @@ class PendingPrompts:
     fill's first row only, as slot 1."""
 
     def __init__(self):
-        self.fills: list[tuple[PendingFill, list[int | None]]] = []   # a fill, and its rows' slots (None: gone)
+        self.fills: list[tuple[PendingFill, list[int | None], list[int]]] = []   # a fill, its rows' slots
+                                                                       # (None: gone), their lengths
         self.slot_of: dict[int, tuple[list, int]] = {}                 # slot -> (its fill's slot list, index)
         self.tokens: dict[int, int] = {}                               # slot -> its prompt's length
 
@@ -84,7 +85,7 @@ class PendingPrompts:
 
     def add(self, fill: PendingFill, slots: list[int], lengths: list[int]) -> None:
         where = list(slots)
-        self.fills.append((fill, where))
+        self.fills.append((fill, where, list(lengths)))
         for i, (s, n) in enumerate(zip(where, lengths)):
             self.slot_of[s] = (where, i)
             self.tokens[s] = n
@@ -104,15 +105,18 @@ class PendingPrompts:
             self.tokens[dst] = self.tokens.pop(src)
 
     def take(self, device) -> list[PendingFill]:
-        """The waiting fills, each cut to its remaining rows at their current slots; none after."""
+        """The waiting fills, each cut to its remaining rows at their current slots (with their
+        slots and lengths on the host: a fill of rows 0..r-1 runs in C, Drafter._fill); none after."""
         out = []
-        for fill, where in self.fills:
+        for fill, where, lengths in self.fills:
             keep = [i for i, s in enumerate(where) if s is not None]
             if not keep:
                 continue
             if len(keep) < len(where):
                 fill = fill.select(torch.tensor(keep, device=device))
-            out.append(replace(fill, rows=torch.tensor([where[i] for i in keep], device=device)))
+            slots = [where[i] for i in keep]
+            out.append(replace(fill, rows=torch.tensor(slots, device=device), slots=slots,
+                               counts=[lengths[i] for i in keep]))
         self.fills, self.slot_of, self.tokens = [], {}, {}
         return out
 
@@ -534,7 +538,7 @@ class Drafter:
         carry = self.carry[0, :r]
         native.mtp_fill(nh, p.start, p.count, p.next_ids, p.hidden, *tables, self.cache.k[0], self.cache.v[0],
                         self.valid[0, :r], carry)
-        self.carry_ok[:r] = True
+        self.carry_ok[:r] = ~self.gap[:r] if p.from_zero or p.prompt else True      # as `_fill` sets it
         return carry.clone()                 # the caller's depth-1 state, overwritten by drafting
 
     def _fill(self, p: PendingFill) -> torch.Tensor:
@@ -544,7 +548,7 @@ class Drafter:
         r, w = p.next_ids.shape
         dev = p.rows.device
         prefix = p.slots is not None and p.slots == list(range(r))
-        if prefix and not p.from_zero and len(self.heads) == 1 and self.native_fill:
+        if prefix and len(self.heads) == 1 and self.native_fill:
             got = self._fill_native(p, r, w)
             if got is not None:
                 return got
