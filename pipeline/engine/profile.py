@@ -14,8 +14,10 @@ import time
 
 import torch
 
+from pipeline.engine.verify import uniform_verify
 from pipeline.model import native
-from pipeline.model.cache import Batch, KVCache
+from pipeline.model.cache import KVCache
+from pipeline.spec_decode.acceptance import greedy_accept
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -30,7 +32,8 @@ def rows_grid(max_rows: int) -> list[int]:
 @torch.inference_mode()
 def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128, reps: int = 2,
                   rows_list: list[int] | None = None) -> list[StepRecord]:
-    """Time target forwards of rows x (gamma + 1) tokens, and drafts of gamma tokens by every
+    """Time verify steps of rows x (gamma + 1) tokens (the forward, logits and greedy acceptance
+    a step runs: `uniform_verify`), and drafts of gamma tokens by every
     draft source the checkpoint has, at a few batch sizes (`rows_list`, default
     `rows_grid(max_rows)`) and two context lengths. Takes well under a second for small models
     on a CPU."""
@@ -56,20 +59,20 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
     for ctx in contexts:
         for rows in rows_list or rows_grid(max_rows):
             for gamma in range(gamma_max + 1):
-                q = gamma + 1
-                tokens = torch.randint(0, cfg.vocab_size, (rows, q), generator=gen).to(dev)
-                positions = (torch.full((rows, 1), ctx) + torch.arange(q)).to(dev)
+                tokens = torch.randint(0, cfg.vocab_size, (rows, gamma + 1), generator=gen).to(dev)
+                lengths = torch.full((rows,), ctx, device=dev)
 
-                def verify():
-                    logits = engine.target.logits(engine.target(tokens, Batch.make(positions), cache))
-                    return native.argmax(logits)
+                def verify():                  # a greedy step's verify and acceptance, as the engine runs them
+                    _, logits, _ = uniform_verify(engine.target, cache, tokens[:, 0], tokens[:, 1:], lengths)
+                    num_acc, emitted = greedy_accept(tokens[:, 1:], logits, native.argmax)
+                    return num_acc.tolist(), emitted.tolist()
 
                 v = timed(verify)
                 cost = {"depth": 0.0, "row": 0.0}
                 for source in sources:         # a per-row cost does not grow with gamma: timed once
                     if gamma and (source.cost_per == "depth" or gamma == gamma_max):
                         cost[source.cost_per] += timed(source.probe(rows, gamma, ctx))
-                records.append(StepRecord(gamma, rows, q, float(ctx), v, cost["depth"] + cost["row"], 0,
+                records.append(StepRecord(gamma, rows, gamma + 1, float(ctx), v, cost["depth"] + cost["row"], 0,
                                           lookup_s=cost["row"]))
     return records
 

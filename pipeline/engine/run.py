@@ -20,7 +20,7 @@ from pipeline.engine.coupled import CoupledDraftPick, CoupledSampler
 from pipeline.engine.drafters import TaskIndex
 from pipeline.engine.drafting import DraftPlanner, StepDrafts
 from pipeline.engine.emit import emit_ragged, emit_uniform
-from pipeline.engine.verify import choose_layout, verify_forward
+from pipeline.engine.verify import choose_layout, uniform_verify, verify_forward
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.warm_start import ensure_profile
 from pipeline.engine.rows import Row
@@ -204,14 +204,12 @@ class GenerateRun:
             self.e.costs.note_prompt_fill(fill_s, filled)
         uniform = plan.draft_len is None or width == 0                                # every row drafts `width`
         layout = "padded" if uniform else choose_layout(plan.draft_len, width, self.e.verify_layout)
-        positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)  # [n, width + 1]
         if uniform:
-            tokens = torch.cat([s.last_token[:n, None], drafts], dim=1)                # [n, gamma + 1]
-            hidden = self.e.target(tokens, Batch.make(positions), self.cache)         # [n, gamma + 1, H]
-            logits = self.e.target.logits(hidden)                                     # [n, gamma + 1, V]
+            hidden, logits, positions = uniform_verify(self.e.target, self.cache, s.last_token[:n], drafts, lengths)
             computed = n * (width + 1)
             num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions)
         else:
+            positions = lengths[:, None] + torch.arange(width + 1, device=lengths.device)  # [n, width + 1]
             hidden, logits, computed = verify_forward(self.e.target, self.cache, s.last_token[:n], drafts,
                                                       plan.draft_len, lengths, layout)
             num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions, plan.draft_len, plan.one_hot)

@@ -32,6 +32,17 @@ def packs(drafts: int, n: int, width: int) -> bool:
     return width > 0 and drafts + n <= PACK_SHARE * n * (width + 1)
 
 
+def uniform_verify(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor):
+    """Every row verifies its last token and all G drafts (a gamma's step, or a plain one at
+    G = 0): last_token [n], drafts [n, G], lengths [n] cache lengths. Returns (hidden
+    [n, G + 1, H], logits [n, G + 1, V], positions [n, G + 1]). The engine's step and its cost
+    profile (pipeline.engine.profile) both verify through it, so the profile times what a step runs."""
+    positions = lengths[:, None] + torch.arange(drafts.shape[1] + 1, device=lengths.device)
+    tokens = torch.cat([last_token[:, None], drafts], dim=1)
+    hidden = target(tokens, Batch.make(positions), cache)
+    return hidden, target.logits(hidden), positions
+
+
 def verify_forward(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
                    lengths: torch.Tensor, layout: str = "auto"):
     """last_token [n], drafts [n, G] (PAD beyond draft_len), lengths [n] cache lengths.
