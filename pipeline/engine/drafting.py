@@ -211,9 +211,11 @@ class DraftPlanner:
         for real rows): at a compute-bound batch a verified token costs what an emitted one
         does, and the lookup's host time (~0.5 ms at 48 rows) would be spent for nothing.
         Asked once per shape and cost model (the acceptance table moves slowly); True without
-        `auto` or a cost model. Example, 48 rows on the demo's CPU: a 2-token verify 1.9x a plain
-        step: (48 + 48 x 0.8) / 1.9 < 48 a step at width 1, and packed drafts at ~2 tokens' cost
-        each gain less still: no lookup; at 4 rows (1.3x) it pays: looked up."""
+        `auto` or a cost model. A pause (`Backoff`) counts down only on steps that could look up.
+        Example, 48 rows on the demo's CPU, best P_1 0.8: a 2-token verify costs 1.9x a plain
+        step, so width 1 makes (48 + 48 x 0.8) / 1.9 = 45 tokens in a plain step's time against
+        48, and packed drafts (~2 tokens' cost each) gain less still: no lookup. At 4 rows a
+        2-token verify costs 1.3x: (4 + 3.2) / 1.3 = 5.5 against 4: looked up."""
         model = self.cost_model() if self.auto else None
         if model is None:
             return True
