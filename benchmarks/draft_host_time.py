@@ -66,6 +66,7 @@ def main(argv=None) -> None:
     timed(drafting.DraftPlanner, "plan", "plan (all of it)")
     timed(ngram.NgramSource, "propose", "n-gram lookup")
     timed(drafting.DraftPlanner, "_lengths", "draft lengths")
+    timed(drafting.DraftPlanner, "_lookup_may_pay", "lookup pre-check")
     name = f"draft={args.draft}"
     runner.measure(spec, sut, cell, name, priors[cell.key()])       # untimed: the first call's fits
     total.clear()
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
     steps = 0
     for _ in range(args.calls):
         runner.measure(spec, sut, cell, name, priors[cell.key()])
-        steps += len(sut.engine.last_stats.steps)
+        steps += len(sut.auto.last_stats.steps)        # draft=... systems run on the auto engine
     print(f"{args.task}, batch {args.batch}, {name}: {steps} steps over {args.calls} calls")
     for label in sorted(total, key=lambda k: -total[k]):
         print(f"  {label:18s} {total[label] / steps * 1e6:7.1f} us per step, {total[label] / calls[label] * 1e6:7.1f} us "
