@@ -275,3 +275,24 @@ def test_a_fixed_gamma_call_fits_no_cost_model(tmp_path, monkeypatch):
     engine = Engine.from_pretrained(path, device="cpu", max_batch_size=1, gamma_max=3)
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=16, ignore_eos=True), gamma=2, draft="mtp")
     assert len(engine.last_stats.steps) >= 8 and calls == []
+
+
+@pytest.mark.parametrize("first_s,runs", [(0.001, 8), (0.004, 2), (0.006, 2)])
+def test_a_profile_times_a_cheap_shape_more_and_keeps_its_least(monkeypatch, first_s, runs):
+    """least_time: after an untimed run, a shape whose first timing fits the budget 8 times is
+    timed 8 times (2 at 4 ms and more), and the least timing is kept, whichever it was."""
+    import torch
+
+    from pipeline.engine import profile
+    now = [0.0]
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: now[0])
+    costs = iter([first_s, first_s] + [first_s * 1.5] * 3 + [first_s * 0.5] + [first_s * 2] * 10)   # untimed first
+    calls = []
+
+    def fn():
+        calls.append(1)
+        now[0] += next(costs)
+
+    best = profile.least_time(fn, 2, torch.device("cpu"))
+    assert len(calls) == 1 + runs
+    assert best == pytest.approx(first_s * 0.5 if runs > 5 else first_s)
