@@ -48,6 +48,11 @@ class PendingFill:
     slots: list[int] | None = None    # `rows` on the host, where the caller has them (no device read) ...
     counts: list[int] | None = None   # ... and `count`
 
+    @property
+    def of_prompt(self) -> bool:
+        """A prompt's fill: its rows' heads carry nothing over a gap before it (`Drafter.gap`)."""
+        return self.from_zero or self.prompt
+
     def select(self, keep: torch.Tensor) -> "PendingFill":
         return PendingFill(self.rows[keep], self.start[keep], self.hidden[keep], self.next_ids[keep],
                            self.count[keep], self.from_zero, self.prompt)
@@ -538,7 +543,7 @@ class Drafter:
         carry = self.carry[0, :r]
         native.mtp_fill(nh, p.start, p.count, p.next_ids, p.hidden, *tables, self.cache.k[0], self.cache.v[0],
                         self.valid[0, :r], carry)
-        self.carry_ok[:r] = ~self.gap[:r] if p.from_zero or p.prompt else True      # as `_fill` sets it
+        self.carry_ok[:r] = ~self.gap[:r] if p.of_prompt else True      # as `_fill` sets it
         return carry.clone()                 # the caller's depth-1 state, overwritten by drafting
 
     def _fill(self, p: PendingFill) -> torch.Tensor:
@@ -578,5 +583,5 @@ class Drafter:
             self.carry[c, rows] = at_last
             if first is None:
                 first = at_last
-        self.carry_ok[rows] = ~self.gap[rows] if p.from_zero or p.prompt else True
+        self.carry_ok[rows] = ~self.gap[rows] if p.of_prompt else True
         return first

@@ -219,17 +219,17 @@ class DraftPlanner:
         model = self.cost_model() if self.auto else None
         if model is None:
             return True
-        key = (n, int(ctx) // 64, id(model), self._table_version)
-        may = self._may_pay.get(key)
+        shape = (n, int(ctx) // 64, id(model))
+        may = self._may_pay.get((*shape, self._table_version))
         if may is None:
-            cum = self._ngram_cum(stats, self.ngram_cap)
+            cum = self._ngram_cum(stats, self.ngram_cap)      # may re-estimate the table: keyed after it
             best = [max(c[j] for c in cum) for j in range(len(cum[0]))]
             costs = width_costs(model, n, ctx, len(best))
             token = token_cost(costs, model.multi_token_s, n)
             may = any_row_pays(best, n, costs, token * GATHER_COST, model.multi_token_s, MIN_GAIN)
             if len(self._may_pay) >= 256:
                 self._may_pay.clear()
-            self._may_pay[key] = may
+            self._may_pay[(*shape, self._table_version)] = may
         return may
 
     def _heads_step(self, n: int, lengths, rows, gamma: int, pick, looked: float, cum: list[float],

@@ -52,9 +52,6 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
     gen = torch.Generator(device="cpu").manual_seed(0)
     records = []
 
-    def timed(fn) -> float:
-        return least_time(fn, reps, dev)
-
     for ctx in contexts:
         for rows in rows_list or rows_grid(max_rows):
             for gamma in range(gamma_max + 1):
@@ -66,11 +63,11 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
                     num_acc, emitted = greedy_accept(tokens[:, 1:], logits, native.argmax)
                     return num_acc.tolist(), emitted.tolist()
 
-                v = timed(verify)
+                v = least_time(verify, reps, dev)
                 cost = {"depth": 0.0, "row": 0.0}
                 for source in sources:         # a per-row cost does not grow with gamma: timed once
                     if gamma and (source.cost_per == "depth" or gamma == gamma_max):
-                        cost[source.cost_per] += timed(source.probe(rows, gamma, ctx))
+                        cost[source.cost_per] += least_time(source.probe(rows, gamma, ctx), reps, dev)
                 records.append(StepRecord(gamma, rows, gamma + 1, float(ctx), v, cost["depth"] + cost["row"], 0,
                                           lookup_s=cost["row"]))
     return records

@@ -137,8 +137,8 @@ def any_row_pays(best: list[float], n: int, costs: list[float], token_s: float, 
     of linear functions, monotone, so it peaks at a depth's end (its start is the last depth's
     end plus drafts that each gain less than the mean, or k = 0: plain decoding, with
     first_s >= 0).
-    Example: best [0.8], n 48, costs [12, 23] ms, token 0.24 ms, first 0: padded 86 / 23 < 48 / 12,
-    ragged 48.8 / 12.24 and 86.4 / 23.5 < 4.2: False."""
+    Example: best [0.8], n 48, costs [12, 23] ms, token 0.24 ms, first 0: padded 86.4 / 23 = 3.8
+    and ragged 86.4 / (12 + 48 x 0.24) = 3.7, both under plain decoding's 48 / 12 = 4: False."""
     if n == 0 or not best:
         return False
     bar = (1 + min_gain) / costs[0]                       # tokens a second per row that plain decoding makes
