@@ -1,5 +1,6 @@
 """When the engine's cost knowledge goes stale: drift of measured steps, or a utilisation jump."""
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -296,3 +297,32 @@ def test_a_profile_times_a_cheap_shape_more_and_keeps_its_least(monkeypatch, fir
     best = profile.least_time(fn, 2, torch.device("cpu"))
     assert len(calls) == 1 + runs
     assert best == pytest.approx(first_s * 0.5 if runs > 5 else first_s)
+
+
+def test_steps_count_from_a_prefill_of_the_whole_batch_and_the_first_price_no_shape(tmp_path):
+    """The first COLD_STEPS steps after every active row was prefilled run on the caches the
+    prefill left (35% slower at one row on the CPU, whatever the gamma): they price no bucket,
+    or the gamma a row's first steps ran would keep a cold step's price. A row admitted beside
+    running ones starts no count (one prompt's prefill next to a large batch's steps)."""
+    from pipeline.engine import SamplingParams
+    from pipeline.spec_decode.cost import COLD_STEPS
+    path = tiny_checkpoint(str(tmp_path), arch="llama", num_mtp_layers=1, with_tokenizer=False)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=1, gamma_max=2)
+    engine.generate([[5, 6, 7], [8, 9]], params, gamma=0)
+    assert [s.after_prefill for s in engine.last_stats.steps] == [0, 1, 2, 3] * 2   # one row at a time
+    engine.max_batch_size = 2                      # a row with a 2-token budget (the context's end) frees
+    engine.generate([[7] * 510, [8, 9], [4, 5, 6]], params, gamma=0)   # its slot while another runs:
+    steps = engine.last_stats.steps                                      # no new count there
+    assert [(s.rows, s.after_prefill) for s in steps] == [(2, 0), (2, 1), (2, 2), (2, 3), (1, 4)]
+
+    tracker = CostTracker()
+    tracker.set_profile(records())
+    tracker.model()
+    slow = [StepRecord(0, 1, 1, 64, 9e-3, 0.0, 1, after_prefill=k) for k in range(COLD_STEPS)]
+    for s in slow * MIN_LOCAL:
+        tracker.record(s)
+    assert not tracker.local.samples and not tracker.verify_local.samples
+    assert len(tracker.steps) == COLD_STEPS * MIN_LOCAL      # the fit window keeps them
+    tracker.record(replace(slow[0], after_prefill=COLD_STEPS))
+    assert tracker.local.count(0, 1, 64) == 1

@@ -114,3 +114,24 @@ def test_the_clock_charges_the_monotone_price_and_saves_the_measured_one(tmp_pat
     with clock.installed():
         one()
     assert clock.measured == 1 and clock.charges["target:1x1@32"] == 1e-7 < clock.prices["target:1x1@32"]
+
+
+def test_the_target_forwards_after_a_prefill_pay_the_cold_charges(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    engine = _engine(tmp_path)
+    cache = engine.kv_cache("target", engine.config.num_layers, 1, 64, engine.config.num_kv_heads,
+                            engine.config.head_dim)
+    clock = VirtualClock(rule=lambda key: 1.0, cold_s=(0.5, 0.25))
+
+    def charged(tokens, batch):
+        before = clock.charged
+        engine.target(torch.tensor([tokens]), batch, cache)
+        return clock.charged - before
+
+    with clock.installed():
+        step = Batch.make(torch.tensor([[9]]))
+        assert charged([3], step) == 1.0                       # no prefill yet: no cold charge
+        assert charged([3, 4, 5, 6], Batch.from_start(1, 4, "cpu")) == 1.0   # the prefill pays its price
+        assert [charged([3], step) for _ in range(3)] == [1.5, 1.25, 1.0]
+        charged([3, 4, 5, 6], Batch.from_start(1, 4, "cpu"))
+        assert charged([3], step) == 1.5                       # each prefill starts them again

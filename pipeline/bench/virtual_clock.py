@@ -40,6 +40,14 @@ A `rule` (a function of the price key) prices new shapes instead of measuring th
 machine, for tests whose decisions must not follow this machine's load.
 
     VirtualClock(rule=lambda key: 5e-3 if key.startswith("target:") else 1e-5)
+
+`cold_s` adds seconds to the first target forwards after a prefill, whatever their shape: on this
+CPU a prefill evicts the weights from the caches, and the next three batch-1 steps took ~0.3,
+~0.15 and ~0.07 ms (35%, 15%, 8%) more than later ones at any gamma (docs/decisions.md, stop 59).
+A price table has no such state, so without it a virtual run cannot show what that does to a
+policy that prices gammas by the steps it ran.
+
+    VirtualClock.load(P, cold_s=(3e-4, 1.5e-4, 7e-5))
 """
 from __future__ import annotations
 
@@ -117,9 +125,11 @@ def least_larger(key: str, price: float, table: dict[str, float]) -> float:
 
 class VirtualClock:
     def __init__(self, reps: int = 5, prices: dict | None = None, reprice: bool = False, raw: bool = False,
-                 rule=None):
+                 rule=None, cold_s: tuple[float, ...] = ()):
         self.reps = reps
         self.rule = rule           # key -> seconds: new shapes priced by it, not measured
+        self.cold_s = tuple(cold_s)    # seconds added to the target forwards after a prefill (docstring)
+        self._cold = len(self.cold_s)  # which of them the next target forward pays
         self.prices: dict[str, float] = dict(prices or {})   # as measured: what `save` writes
         self.raw = raw             # charge the prices as measured, not `monotone`'s
         self.charges: dict[str, float] = dict(self.prices) if raw else monotone(self.prices)
@@ -131,9 +141,10 @@ class VirtualClock:
         self._depth = 0
 
     @classmethod
-    def load(cls, path, reps: int = 5, reprice: bool = False, raw: bool = False) -> "VirtualClock":
+    def load(cls, path, reps: int = 5, reprice: bool = False, raw: bool = False,
+             cold_s: tuple[float, ...] = ()) -> "VirtualClock":
         p = Path(path)
-        return cls(reps, json.loads(p.read_text()) if p.exists() else None, reprice, raw)
+        return cls(reps, json.loads(p.read_text()) if p.exists() else None, reprice, raw, cold_s=cold_s)
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.prices, indent=0, sort_keys=True))
@@ -141,8 +152,9 @@ class VirtualClock:
     def now(self) -> float:
         return _real_perf_counter() - self.inside + self.charged
 
-    def priced(self, kind: str, fn, shape):
-        """Wrap `fn(*args)`: its real time is taken out of the clock and `shape(*args)`'s price put in."""
+    def priced(self, kind: str, fn, shape, prefill=None):
+        """Wrap `fn(*args)`: its real time is taken out of the clock and `shape(*args)`'s price put in;
+        `prefill(*args)`: whether the forward is a prefill, after which `cold_s` is charged."""
         def call(*args, **kwargs):
             if self._depth:                    # nested inside a priced call: the outer one pays
                 return fn(*args, **kwargs)
@@ -167,6 +179,12 @@ class VirtualClock:
                 self._seen.add(key)
                 self.inside += _real_perf_counter() - t0
                 self.charged += self.charges[key]
+                if prefill is not None and self.cold_s:
+                    if prefill(*args, **kwargs):
+                        self._cold = 0
+                    elif self._cold < len(self.cold_s):
+                        self.charged += self.cold_s[self._cold]
+                        self._cold += 1
                 return out
             finally:
                 self._depth -= 1
@@ -193,11 +211,14 @@ class VirtualClock:
         def draft_shape(head, out):
             return f"{rows_bucket(out[..., 0].numel())}x{out.shape[-1]}"
 
+        def target_prefill(model, tokens, batch, cache=None):
+            return batch.from_zero
+
         patched = [(TargetModel, "forward", "target", target_shape), (TargetModel, "logits", "logits", logits_shape),
                    (MTPHead, "forward", "head", head_shape), (MTPHead, "draft_logits", "draft", draft_shape)]
         originals = [(cls, name, cls.__dict__[name]) for cls, name, _, _ in patched]
         for cls, name, kind, shape in patched:
-            setattr(cls, name, self.priced(kind, cls.__dict__[name], shape))
+            setattr(cls, name, self.priced(kind, cls.__dict__[name], shape, target_prefill if kind == "target" else None))
         time.perf_counter = self.now
         try:
             yield self
@@ -216,6 +237,9 @@ def add_clock_args(ap) -> None:
     ap.add_argument("--reprice", action="store_true",
                     help="with --prices: measure every shape met again and keep the faster price (a pricing "
                          "pass: its own timings mix prices from before and after)")
+    ap.add_argument("--cold-ms", type=float, nargs="*", default=[],
+                    help="with --clock virtual: milliseconds added to the first target forwards after each prefill "
+                         "(this CPU's evicted caches: e.g. 0.3 0.15 0.07; pipeline.bench.virtual_clock)")
     ap.add_argument("--raw-prices", action="store_true",
                     help="with --clock virtual: charge each shape its price as measured, not the least price "
                          "of a shape doing at least its work (pipeline.bench.virtual_clock.monotone)")
@@ -233,8 +257,9 @@ def clock_from_args(args):
     import tempfile
     os.environ["SPECBATCH_CACHE"] = tempfile.mkdtemp(prefix="virtual-clock-")
     raw = getattr(args, "raw_prices", False)
-    clock = (VirtualClock.load(args.prices, reprice=args.reprice, raw=raw) if args.prices
-             else VirtualClock(raw=raw))
+    cold = tuple(ms / 1e3 for ms in getattr(args, "cold_ms", ()))
+    clock = (VirtualClock.load(args.prices, reprice=args.reprice, raw=raw, cold_s=cold) if args.prices
+             else VirtualClock(raw=raw, cold_s=cold))
     with clock.installed():
         yield clock
     if args.prices:

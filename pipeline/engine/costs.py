@@ -23,7 +23,7 @@ import statistics
 import time
 from collections import deque
 
-from pipeline.spec_decode.cost import CostModel, LocalCorrection, VerifyCorrection, fit_cost_model
+from pipeline.spec_decode.cost import CostModel, LocalCorrection, VerifyCorrection, cold, fit_cost_model
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -102,13 +102,16 @@ class CostTracker:
         source) but neither the per-gamma correction nor the drift check. Every step whose rows
         all verified the same number of tokens in one padded forward (`padded`) prices that verify
         shape (VerifyCorrection): a packed verify runs each token as its own query row with a cache
-        gather, so its mean tokens per row (always whole at one row) is not that shape's cost."""
+        gather, so its mean tokens per row (always whole at one row) is not that shape's cost.
+        A step just after a prefill of the whole batch (`cold`) joins the fit window only."""
         self.steps.append(step)
         if step.verify_s > 0:
             self._shapes.add((step.rows, step.query_len))
         if refine:
             self._new_steps += 1
             self._new_work_s += step.verify_s + step.draft_s
+        if cold(step):          # partly the prefill's cost (spec_decode.cost.COLD_STEPS): no shape's price
+            return
         if padded and self.verify_local.takes(step):
             self.verify_local.add(step, self._model, tick=refine)
         if not by_gamma:

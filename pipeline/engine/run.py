@@ -114,6 +114,7 @@ class GenerateRun:
         self.slots = Slots(batch, engine.device, self.sources, self.cache)
         self.queue = deque(rows)
         self.admitted = False         # rows were admitted since the policy last chose (GoodputPolicy.plain_stands)
+        self.after_prefill = -1       # steps since every active row was admitted at once (StepRecord.after_prefill)
         self.eos = frozenset(cfg.eos_token_ids)
         self.stats = engine.last_stats
         # its steps count towards cost-model refits: the gamma policy or the per-row choice prices by it
@@ -134,11 +135,15 @@ class GenerateRun:
 
     # ---- admission: batched prefill of queued rows into free slots ----------------------------
     def _admit(self) -> None:
+        admitted = 0
         while self.queue and (free := self.slots.free_slots()):
             take = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
             for group in prefill_groups([len(r.prompt_ids) for r in take]):
                 self._prefill([free[i] for i in group], [take[i] for i in group])
+            admitted += len(take)
         self.slots.compact()                           # rows may finish at once: the loop refills
+        if admitted and admitted >= self.slots.n:      # the whole batch is new: its next steps run cold
+            self.after_prefill = 0                     # (pipeline.spec_decode.cost.COLD_STEPS)
 
     def _prefill(self, slot_ids: list[int], rows: list[Row]) -> None:
         t0 = time.perf_counter()
@@ -230,7 +235,9 @@ class GenerateRun:
         heads_fill = self.sources.get("mtp").last_fill_tokens() if plan.mtp_gamma else -1
         step = StepRecord(plan.mtp_gamma if plan.match is None else gamma, n, computed / n, ctx,
                           t2 - t1, t1 - t0 - fill_s, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s,
-                          fill_tokens=heads_fill, shared_s=(t0 - t_choose) + (t4 - t3))
+                          fill_tokens=heads_fill, shared_s=(t0 - t_choose) + (t4 - t3),
+                          after_prefill=self.after_prefill)
+        self.after_prefill += self.after_prefill >= 0
         self.stats.observe_step(step)
         # the cost model's sample: the heads' depth as they ran (the stats keep the policy's gamma)
         sample = step if step.gamma == plan.mtp_gamma else replace(step, gamma=plan.mtp_gamma)

@@ -54,6 +54,11 @@ policy's budget allows), and a bucket run again after REVISIT_STEPS steps elsewh
 MIN_LOCAL - 1 old steps, so MIN_LOCAL new steps set its price. Measurements behind this design:
 docs/decisions.md (2026-11-29). `VerifyCorrection` does the same for the verify alone, keyed
 by tokens per row instead of gamma: it prices a padded verify of per-row (n-gram) drafts.
+The first COLD_STEPS steps after a prefill of every active row (`cold`) price no bucket: they
+pay for the caches the prefill left, whatever their gamma (on this CPU at one row the first
+three took 35%, 15% and 8% longer than later ones, at gamma 0 and 2 alike). Such a step runs at
+a row's first context bucket with whichever gamma the policy picked there, so that gamma was
+priced at a cold step's cost (docs/decisions.md, stop 59).
 """
 from __future__ import annotations
 
@@ -68,6 +73,7 @@ CTX_SPAN = 1.5          # contexts must differ by this factor before a cost's sl
 MIN_LOCAL = 4           # real steps at a (gamma, rows, context) bucket before they correct the model there
 KEEP_LOCAL = 16         # the most recent steps per bucket that do
 REVISIT_STEPS = 32      # a bucket run again after this many steps elsewhere: its old steps give way (below)
+COLD_STEPS = 2          # steps after a prefill of the whole batch that price no bucket (below)
 
 
 def nnls(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -190,6 +196,12 @@ def context_bucket(ctx: float) -> int:
 def step_seconds(step) -> float:
     """A StepRecord's whole measured time: draft + verify + the overhead around them."""
     return step.verify_s + step.draft_s + getattr(step, "overhead_s", 0.0)
+
+
+def cold(step) -> bool:
+    """Whether a StepRecord ran within COLD_STEPS steps of a prefill of every active row
+    (StepRecord.after_prefill)."""
+    return 0 <= getattr(step, "after_prefill", -1) < COLD_STEPS
 
 
 def heads_fill(step) -> float:

@@ -28,6 +28,8 @@ class StepRecord:
                             # verify width); -1: not recorded (read as rows x (gamma + 1))
     shared_s: float = 0.0   # of overhead_s, work paid whatever the gamma: choosing it, releasing
                             # finished rows (not part of a gamma's price: cost.LocalCorrection)
+    after_prefill: int = -1  # steps since a prefill admitted every active row (0: the first after it; such
+                             # steps price no shape: cost.COLD_STEPS); -1: none in this call, or not recorded
 
 
 @dataclass
