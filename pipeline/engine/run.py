@@ -237,7 +237,8 @@ class GenerateRun:
                           t2 - t1, t1 - t0 - fill_s, sum(acc_list) + n, overhead, lookup_s=plan.lookup_s,
                           fill_tokens=heads_fill, shared_s=(t0 - t_choose) + (t4 - t3),
                           after_prefill=self.after_prefill)
-        self.after_prefill += self.after_prefill >= 0
+        if self.after_prefill >= 0:
+            self.after_prefill += 1
         self.stats.observe_step(step)
         # the cost model's sample: the heads' depth as they ran (the stats keep the policy's gamma)
         sample = step if step.gamma == plan.mtp_gamma else replace(step, gamma=plan.mtp_gamma)
