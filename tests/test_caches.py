@@ -180,7 +180,7 @@ def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path
             run._admit()
             run._step()
             seen.append((dict(drafter.backlog.tokens), drafter.column is not None))
-            held.append(len(drafter.backlog.columns))
+            held.append(len(drafter.backlog.held))
         drafter.backlog._flush()
         return [r.tokens for r in rows], drafter, seen
 

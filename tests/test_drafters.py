@@ -367,6 +367,38 @@ def test_a_backlog_follows_its_rows_and_keeps_the_newest_tokens_when_full(monkey
     assert fill.next_ids.tolist() == [[9, 4], [9, 4]] and fill.hidden[:, :, 0].tolist() == [[9.0, 4.0], [9.0, 4.0]]
 
 
+def test_held_backlog_columns_follow_rows_that_end_or_move_without_writing():
+    """Plain steps of slots 0..3 are held unwritten; slot 1 ends, slot 3 moves into its hole
+    and a slot ends at the restart: nothing is written until a fill reads them, which then
+    gets each row's own tokens at its new slot; a row overflowing drops its held columns
+    unwritten. Before, every ending or moving row wrote the held columns first (~0.2 ms at 32 rows)."""
+    from pipeline.engine.drafter import Backlog
+
+    def col(tok, rows=4):
+        return (torch.arange(rows) + 10 * tok, torch.arange(rows, dtype=torch.float32)[:, None] + tok,
+                torch.arange(rows) + 100 * tok)
+
+    b = Backlog(batch_size=4, size=3, device="cpu")
+    slots = [0, 1, 2, 3]
+    assert b.add_column(slots, *col(1)) is False
+    b.drop([1])
+    b.move(3, 1)
+    slots = [0, None, 2, 1]                        # the engine's view of the same rows now
+    assert b.add_column(slots, *col(2)) is False
+    assert b.hidden is None and len(b.held) == 2 and b.tokens == {0: 2, 2: 2, 1: 2}
+    fill = b.take()
+    assert fill.slots == [0, 1, 2] and fill.counts == [2, 2, 2]
+    assert fill.start.tolist() == [10, 13, 12]            # each row's first position, at its new slot
+    assert fill.next_ids.tolist() == [[100, 200], [103, 203], [102, 202]]
+    assert fill.hidden[:, :, 0].tolist() == [[1.0, 2.0], [4.0, 5.0], [3.0, 4.0]]
+    for tok in (3, 4, 5):
+        assert b.add_column([0, 1], *col(tok, 2), restart=True) is False
+    assert b.add_column([0, 1], *col(6, 2), restart=True) is True     # full: starts over, unwritten
+    assert b.hidden is not None and len(b.held) == 1 and b.tokens == {0: 1, 1: 1}
+    fill = b.take()
+    assert fill.start.tolist() == [60, 61] and fill.next_ids.tolist() == [[600], [601]]
+
+
 def test_waiting_prompt_fills_follow_their_rows_as_they_move_and_finish():
     """The docstring example of PendingPrompts: a fill of slots [3, 5]; slot 5 finishes and 3
     moves to 1, so `take` runs only the first row's entries, as slot 1."""

@@ -137,11 +137,13 @@ class Backlog:
     step's fill with host counts is appended without reading the device). A row that would hold
     more than `size` starts over from its newest step: the tokens before are a masked gap (`add`
     returns which rows).
-    A plain step of slots 0..r-1, all holding the same count, is held as it is (`add_column`: its
-    column's tensors, no copy) and written into the buffers only when something reads or changes
-    them otherwise (`_flush`: one copy of the held columns); rows that overflow, or all end, drop
-    their held columns unwritten. Most plain steps then copy nothing: at batch 1 keeping the backlog cost
-    ~45 us of a 0.8 ms plain step (docs/decisions.md, stop 54).
+    A step where every row appends one token at the same column is held as it is (`add_column`:
+    its tensors, and a list of the slot each of its rows sits in now) and written into the
+    buffers only when a fill reads them or a step appends otherwise (`_flush`). A row that ends
+    or moves changes that list, not the tensors; rows that overflow drop their held columns
+    unwritten. Most plain steps then copy nothing: at batch 1 keeping the backlog cost ~45 us of
+    a 0.8 ms plain step (docs/decisions.md, stop 54), and at 32 rows a row ending or moving
+    wrote the held columns first, ~0.2 ms each (stop 60).
     Example: slot 2 skips positions 40, 41, 42: `take` gives one fill of rows [2], start [40],
     count [3]."""
 
@@ -151,9 +153,10 @@ class Backlog:
         self.ids: torch.Tensor | None = None           # [B, size] the token after each position
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.tokens: dict[int, int] = {}               # slot -> tokens held
-        self.columns: list[tuple] = []   # held, unwritten: (start or None, hidden [r, H], next_ids [r]) ...
-        self.column_rows = 0             # ... of slots 0..r-1 ...
-        self.column_from = 0             # ... from this backlog column on
+        self.written: set[int] = set()                 # slots whose buffer rows hold some of them
+        self.held: list[tuple] = []      # unwritten: (column, start [r] or None, hidden [r, H], next_ids [r],
+                                         # slots: where each of the r rows sits now, None: ended); steps
+                                         # of the same rows share one slots list
 
     def __bool__(self) -> bool:
         return bool(self.tokens)
@@ -162,14 +165,12 @@ class Backlog:
         """Append a step's accepted tokens per row; returns the rows (indices into `p`) whose
         older tokens were dropped (their heads' cache has a gap before these)."""
         r, w = p.next_ids.shape
-        self._flush()
-        if self.hidden is None:
-            self.hidden = p.hidden.new_zeros(self.batch_size, self.size, p.hidden.shape[-1])
-            self.ids = p.next_ids.new_zeros(self.batch_size, self.size)
         slots = p.slots if p.slots is not None else p.rows.tolist()
         counts = p.counts if p.counts is not None else p.count.tolist()
-        if self._add_column(p, slots, counts):
+        if all(c == 1 for c in counts) and self.add_column(slots, p.start, p.hidden[:, 0], p.next_ids[:, 0]) is not None:
             return []
+        self._flush()
+        self._buffers(p.hidden[:, 0], p.next_ids[:, 0])
         over, fresh, skips = [], [], []          # fresh: rows starting a backlog (their start is set)
         moves = []                               # (row in p, slot, from column in p, to column, tokens)
         for i, (slot, c) in enumerate(zip(slots, counts)):
@@ -184,6 +185,7 @@ class Backlog:
             if c > skip:
                 moves.append((i, slot, skip, old, c - skip))
             self.tokens[slot] = old + c - skip
+            self.written.add(slot)
         if len(moves) <= SLICE_ROWS:             # a few rows: a copy each (no index tensors to build)
             for i, slot, src, dst, k in moves:
                 self.hidden[slot, dst:dst + k] = p.hidden[i, src:src + k]
@@ -200,85 +202,94 @@ class Backlog:
                 self.start[p.rows[f]] = p.start[f] + torch.tensor(skips, device=p.rows.device)
         return over
 
-    def _add_column(self, p: PendingFill, slots: list[int], counts: list[int]) -> bool:
-        """`add` where every row appends one token at the same backlog column without filling
-        it: one strided copy, no index tensors. A batch at gamma 0 whose rows were admitted
-        or last drafted together is this case on every step (at 48 rows `add` took ~90 us
-        through the general path, ~1.5% of a step; ~30 us here). False (nothing done) otherwise."""
-        if any(c != 1 for c in counts):
-            return False
-        r = len(slots)
-        rows = slice(0, r) if slots == list(range(r)) else p.rows
-        return self.add_column(slots, rows, p.start, p.hidden[:, 0], p.next_ids[:, 0]) is not None
-
-    def add_column(self, slots, rows, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor,
+    def add_column(self, slots: list, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor,
                    restart: bool = False) -> bool | None:
-        """Append one token to each of `slots` (host ints; `rows`: the same as an index, a slice
-        where they are 0..r-1) where all hold the same number of tokens, fewer than the size:
-        `hidden` [r, H] and `next_ids` [r] at positions `start` [r]. Slots 0..r-1 hold the
-        column as it is (class docstring). `restart`: where all hold the size already, slots
-        0..r-1 drop their tokens and start over from this one, as `add` would. None (nothing
-        done) otherwise: the caller takes `add`'s general path. Else whether older tokens were
-        dropped."""
+        """Hold one token for each row of `slots` (host ints, in the order of the rows of `hidden`
+        [r, H], `next_ids` [r] and their positions `start` [r]; None: a row that ended, skipped)
+        where all of them hold the same number of tokens, fewer than the size: no copy (class
+        docstring). `restart`: where all hold the size already and no other slot holds any, they
+        drop their tokens and start over from this one, as `add` would. None (nothing done)
+        otherwise: the caller takes `add`'s general path. Else whether older tokens were dropped."""
         tokens = self.tokens
-        col = tokens.get(slots[0], 0) if len(slots) else self.size
-        if any(tokens.get(s, 0) != col for s in slots):
+        live = [s for s in slots if s is not None]
+        col = tokens.get(live[0], 0) if live else 0
+        if any(tokens.get(s, 0) != col for s in live):
             return None
-        prefix = isinstance(rows, slice)
         over = col >= self.size
-        if over and not (restart and prefix):
-            return None
-        r = len(slots)
-        if over:                                        # their older tokens: dropped, held ones unwritten
-            if self.column_rows == r:
-                self.columns = []
-            col = 0
-        if prefix and (not self.columns or self.column_rows == r):
-            if not self.columns:
-                self.column_rows, self.column_from = r, col
-            self.columns.append((start if col == 0 else None, hidden, next_ids))
-        else:
-            self._flush()
-            if self.hidden is None:
-                self.hidden = hidden.new_zeros(self.batch_size, self.size, hidden.shape[-1])
-                self.ids = next_ids.new_zeros(self.batch_size, self.size)
-            self.hidden[rows, col] = hidden
-            self.ids[rows, col] = next_ids
-            if col == 0:
-                self.start[rows] = start
-        for slot in slots:
-            tokens[slot] = col + 1
+        if over:
+            if not (restart and len(tokens) == len(live)):
+                return None
+            self.held, col = [], 0                     # their older tokens: dropped, held ones unwritten
+            self.written.difference_update(live)
+        last = self.held[-1][4] if self.held else None
+        if last is None or last != slots:              # rows that moved or ended since: a list of their own
+            last = list(slots)
+        self.held.append((col, start if col == 0 else None, hidden, next_ids, last))
+        for s in live:
+            tokens[s] = col + 1
         return over
 
-    def _flush(self) -> None:
-        """Write the held columns into the buffers (one copy each for hidden states and ids)."""
-        if not self.columns:
-            return
-        columns, self.columns = self.columns, []
-        r, c0, k = self.column_rows, self.column_from, len(columns)
-        first = columns[0]
+    def _buffers(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> None:
         if self.hidden is None:
-            self.hidden = first[1].new_zeros(self.batch_size, self.size, first[1].shape[-1])
-            self.ids = first[2].new_zeros(self.batch_size, self.size)
-        self.hidden[:r, c0:c0 + k] = torch.stack([c[1] for c in columns], dim=1)
-        self.ids[:r, c0:c0 + k] = torch.stack([c[2] for c in columns], dim=1)
-        if first[0] is not None:
-            self.start[:r] = first[0]
+            self.hidden = hidden.new_zeros(self.batch_size, self.size, hidden.shape[-1])
+            self.ids = next_ids.new_zeros(self.batch_size, self.size)
+
+    def _flush(self) -> None:
+        """Write the held columns into the buffers: one copy per run of consecutive columns
+        over the same rows (hidden states, ids, and the start where the run begins a backlog)."""
+        held, self.held = self.held, []
+        i = 0
+        while i < len(held):
+            col, start, _, _, slots = held[i]
+            j = i + 1
+            while j < len(held) and held[j][4] is slots and held[j][0] == held[j - 1][0] + 1:
+                j += 1
+            keep = [k for k, s in enumerate(slots) if s is not None]
+            if keep:
+                self._buffers(held[i][2], held[i][3])
+                hidden = torch.stack([h[2] for h in held[i:j]], dim=1)          # [r, k, H]
+                ids = torch.stack([h[3] for h in held[i:j]], dim=1)
+                dst = [slots[k] for k in keep]
+                if dst == list(range(len(slots))):                             # rows 0..r-1 in order: views
+                    rows, src = slice(0, len(slots)), slice(None)
+                else:
+                    rows = torch.tensor(dst, device=self.device)
+                    src = torch.tensor(keep, device=self.device)
+                self.hidden[rows, col:col + j - i] = hidden[src]
+                self.ids[rows, col:col + j - i] = ids[src]
+                if start is not None:
+                    self.start[rows] = start[src]
+                self.written.update(dst)
+            i = j
+
+    def _rename(self, src: int, dst) -> None:
+        """Each held slots list: slot `src` is `dst` now (None: ended)."""
+        seen = None
+        for h in self.held:
+            slots = h[4]
+            if slots is not seen:
+                seen = slots
+                for k, s in enumerate(slots):
+                    if s == src:
+                        slots[k] = dst
 
     def drop(self, slots: list[int]) -> None:
-        if self.columns and set(range(self.column_rows)) <= set(slots):
-            self.columns = []                 # every held slot leaves: nothing left to write
-        self._flush()
         for s in slots:
-            self.tokens.pop(s, None)
+            if self.tokens.pop(s, None) is not None:
+                self._rename(s, None)
+            self.written.discard(s)
 
     def move(self, src: int, dst: int) -> None:
-        self._flush()
         n = self.tokens.pop(src, None)
-        if n is not None:
+        if n is None:
+            return
+        self._rename(src, dst)
+        if src in self.written:                  # what was written already moves with it
             self.hidden[dst], self.ids[dst] = self.hidden[src], self.ids[src]
             self.start[dst] = self.start[src]
-            self.tokens[dst] = n
+            self.written.discard(src)
+            self.written.add(dst)
+        self.tokens[dst] = n
 
     def take(self) -> PendingFill | None:
         """Every held row's tokens as one fill (padded to the longest); none held after."""
@@ -291,7 +302,7 @@ class Backlog:
         width = max(counts)
         fill = PendingFill(rows, self.start[rows], self.hidden[rows, :width], self.ids[rows, :width],
                            torch.tensor(counts, device=self.device), slots=slots, counts=counts)
-        self.tokens = {}
+        self.tokens, self.written = {}, set()
         return fill
 
 
@@ -334,7 +345,8 @@ class Drafter:
         self.carry = torch.zeros(k, batch_size, hidden_size, dtype=dtype, device=device)     # [K, B, H]
         self.carry_ok = torch.zeros(batch_size, dtype=torch.bool, device=device)            # [B]
         self.pending: list[PendingFill] = []     # the last verify step's accepted tokens (or a probe's)
-        self.column: tuple | None = None         # ... or, where rows 0..n-1 kept one each, (n, start, hidden, next_ids)
+        self.column: tuple | None = None         # ... or, where rows 0..n-1 kept one each, (start, hidden,
+                                                 # next_ids, slots: where each row sits now, None: ended)
         self.prompts = PendingPrompts()            # prompts not yet run through the heads
         self.backlog = Backlog(batch_size, BACKLOG_TOKENS, device)   # gamma-0 steps' tokens, likewise
         self.held: set[int] = set()                # slots whose heads' cache may hold entries (host side)
@@ -355,7 +367,6 @@ class Drafter:
     def move_row(self, src: int, dst: int) -> None:
         """A row moves into a hole: its heads' cache only where it holds anything (a batch at
         gamma 0 throughout has nothing there to copy), its masks and waiting fills always."""
-        self._column_to_pending()
         if src in self.held:
             self.cache.move_row(src, dst)
             self.held.discard(src)
@@ -364,16 +375,20 @@ class Drafter:
         self.carry[:, dst] = self.carry[:, src]
         self.carry_ok[dst] = self.carry_ok[src]
         self.gap[dst] = self.gap[src]
+        if self.column is not None:
+            self._column_rename({src: dst})
         for p in self.pending:
             p.move(src, dst)
         self.prompts.move(src, dst)
         self.backlog.move(src, dst)
 
     def drop_rows(self, rows: torch.Tensor) -> None:
-        self._column_to_pending()
         slots = rows.tolist()                      # rows finish once each: a device read is fine here
         gone = set(slots)
-        self.pending = [p.without(gone) for p in self.pending]
+        if self.column is not None:
+            self._column_rename(dict.fromkeys(gone))
+        if self.pending:
+            self.pending = [p.without(gone) for p in self.pending]
         if self.prompts or self.backlog:
             self.prompts.drop(slots)
             self.backlog.drop(slots)
@@ -384,20 +399,37 @@ class Drafter:
 
     def add_column(self, n: int, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor) -> None:
         """A verify step where rows 0..n-1 kept one token each (every plain step): `start` [n]
-        their positions, `hidden` [n, H], `next_ids` [n]. Held as it is: a plain step that
-        follows appends it to the backlog as one column copy (`discard_pending`), without the
-        PendingFill that a draft or a moving row makes of it (`_column_to_pending`). That fill
-        and its append were ~80 us of host time a plain step at 32 rows (docs/decisions.md, stop 53)."""
+        their positions, `hidden` [n, H], `next_ids` [n]. Held as it is, rows that move or end
+        meanwhile followed in a host list: a plain step that follows holds it in the backlog
+        as it is too (`discard_pending`), without the PendingFill that a draft makes of it
+        (`_column_to_pending`). That fill and its append were ~80 us of host time a plain step
+        at 32 rows (docs/decisions.md, stop 53)."""
         self._column_to_pending()
-        self.column = (n, start, hidden, next_ids)
+        self.column = (start, hidden, next_ids, list(range(n)))
+
+    def _column_rename(self, renamed: dict) -> None:
+        """The held column's rows now in slots `renamed` maps them to (None: ended)."""
+        slots = self.column[3]
+        for k, s in enumerate(slots):
+            if s in renamed:
+                slots[k] = renamed[s]
 
     def _column_to_pending(self) -> None:
-        if self.column is not None:
-            n, start, hidden, next_ids = self.column
-            self.column = None
-            self.pending.append(PendingFill(torch.arange(n, device=start.device), start, hidden[:, None],
-                                            next_ids[:, None], torch.ones_like(start),
-                                            slots=list(range(n)), counts=[1] * n))
+        if self.column is None:
+            return
+        start, hidden, next_ids, slots = self.column
+        self.column = None
+        keep = [k for k, s in enumerate(slots) if s is not None]
+        if not keep:
+            return
+        live = [slots[k] for k in keep]
+        dev = start.device
+        if len(keep) < len(slots):
+            idx = torch.tensor(keep, device=dev)
+            start, hidden, next_ids = start[idx], hidden[idx], next_ids[idx]
+        rows = torch.arange(len(live), device=dev) if live == keep else torch.tensor(live, device=dev)
+        self.pending.append(PendingFill(rows, start, hidden[:, None], next_ids[:, None], torch.ones_like(start),
+                                        slots=live, counts=[1] * len(live)))
 
     def add_prompt(self, fill: PendingFill, slots: list[int], lengths: list[int]) -> None:
         """A prompt's fill (from_zero), run at its rows' first drafted step (module docstring)."""
@@ -408,13 +440,14 @@ class Drafter:
         backlog, filled at the next draft (module docstring). Where a backlog overflows, its
         older tokens are a masked gap: no carry crosses it, nor one from a waiting prompt (`gap`)."""
         if self.column is not None and not self.pending:
-            n, start, hidden, next_ids = self.column
-            over = self.backlog.add_column(range(n), slice(0, n), start, hidden, next_ids, restart=True)
+            start, hidden, next_ids, slots = self.column
+            over = self.backlog.add_column(slots, start, hidden, next_ids, restart=True)
             if over is not None:
                 self.column = None
                 if over:
-                    self.carry_ok[:n] = False
-                    self.gap[:n] = True
+                    lost = torch.tensor([s for s in slots if s is not None], device=start.device)
+                    self.carry_ok[lost] = False
+                    self.gap[lost] = True
                 return
         self._column_to_pending()
         for p in self.pending:
