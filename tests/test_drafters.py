@@ -399,6 +399,32 @@ def test_held_backlog_columns_follow_rows_that_end_or_move_without_writing():
     assert fill.start.tolist() == [60, 61] and fill.next_ids.tolist() == [[600], [601]]
 
 
+def test_the_last_steps_column_gives_each_row_its_own_token_after_rows_end_and_move(tmp_path):
+    """The last plain step's column (Drafter.add_column) stays as it is while rows end and move;
+    the fill made of it (a draft follows) runs each remaining row's token at its slot now:
+    slot 2 ends (a new row may take it), then slot 3 moves into slot 1 after slot 1 ends."""
+    from pipeline.engine.drafters import MTPSource
+    path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=1, with_tokenizer=False)
+    d = MTPSource.for_engine(Engine.from_pretrained(path, device="cpu", max_batch_size=4), 4, 32).drafter
+    hidden = torch.arange(4, dtype=torch.float32)[:, None].expand(4, 3)
+    d.add_column(4, torch.tensor([10, 11, 12, 13]), hidden, torch.tensor([100, 101, 102, 103]))
+    d.drop_rows(torch.tensor([2]))
+    assert d.column is not None and not d.pending          # nothing built yet
+    d._column_to_pending()
+    (fill,) = d.pending
+    assert fill.slots == [0, 1, 3] and fill.rows.tolist() == [0, 1, 3]
+    assert fill.start.tolist() == [10, 11, 13] and fill.next_ids[:, 0].tolist() == [100, 101, 103]
+    assert fill.hidden[:, 0, 0].tolist() == [0.0, 1.0, 3.0]
+    d.pending = []
+    d.add_column(4, torch.tensor([10, 11, 12, 13]), hidden, torch.tensor([100, 101, 102, 103]))
+    d.drop_rows(torch.tensor([1]))
+    d.move_row(3, 1)
+    d._column_to_pending()
+    (fill,) = d.pending
+    assert fill.slots == [0, 2, 1] and fill.rows.tolist() == [0, 2, 1]
+    assert fill.next_ids[:, 0].tolist() == [100, 102, 103]
+
+
 def test_waiting_prompt_fills_follow_their_rows_as_they_move_and_finish():
     """The docstring example of PendingPrompts: a fill of slots [3, 5]; slot 5 finishes and 3
     moves to 1, so `take` runs only the first row's entries, as slot 1."""

@@ -212,7 +212,9 @@ class Backlog:
         otherwise: the caller takes `add`'s general path. Else whether older tokens were dropped."""
         tokens = self.tokens
         live = [s for s in slots if s is not None]
-        col = tokens.get(live[0], 0) if live else 0
+        if not live:
+            return False
+        col = tokens.get(live[0], 0)
         if any(tokens.get(s, 0) != col for s in live):
             return None
         over = col >= self.size
@@ -427,7 +429,8 @@ class Drafter:
         if len(keep) < len(slots):
             idx = torch.tensor(keep, device=dev)
             start, hidden, next_ids = start[idx], hidden[idx], next_ids[idx]
-        rows = torch.arange(len(live), device=dev) if live == keep else torch.tensor(live, device=dev)
+        in_order = live == list(range(len(live)))          # rows 0..r-1: the fill reads views
+        rows = torch.arange(len(live), device=dev) if in_order else torch.tensor(live, device=dev)
         self.pending.append(PendingFill(rows, start, hidden[:, None], next_ids[:, None], torch.ones_like(start),
                                         slots=live, counts=[1] * len(live)))
 
