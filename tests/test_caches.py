@@ -158,11 +158,10 @@ def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path
                                                                         most_held):
     """A step whose rows kept one token each hands the heads its column as it is
     (Drafter.add_column), and a plain step that follows holds it in the backlog unwritten
-    (Backlog.add_column), written only where a draft, a moving or finishing row or a general
-    append needs it (a row ending while others hold columns too), and dropped unwritten where
-    the backlog overflows or every holding row ends. Over plain and drafted steps, five rows of
-    different budgets through three slots, the heads' caches, masks,
-    carries and backlog and every output equal those where each step builds its fill."""
+    (Backlog.add_column), written only where a draft or a general append needs it (rows that
+    move or end are followed in host lists), and dropped unwritten where the backlog overflows.
+    Over plain and drafted steps, five rows of different budgets through three slots, the heads'
+    caches, masks, carries and backlog and every output equal those where each step builds its fill."""
     from pipeline.engine.drafter import Backlog, Drafter, PendingFill
     path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
     prompts = random_prompts([5, 9, 3, 7, 4], 128, seed=3)
@@ -198,7 +197,7 @@ def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path
     assert (most_held < 16) or True in overflowed                         # ... and dropped unwritten
 
     def at_once(self, n, start, hidden, next_ids):                          # the fill built at every step
-        self.add_pending(PendingFill(torch.arange(n), start, hidden[:, None], next_ids[:, None],
+        self.add_pending(PendingFill(torch.arange(n), start, hidden, next_ids,
                                      torch.ones_like(start), slots=list(range(n)), counts=[1] * n))
     monkeypatch.setattr(Drafter, "add_column", at_once)
     want, eager, seen_eager = run_all()

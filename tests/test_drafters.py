@@ -375,8 +375,8 @@ def test_held_backlog_columns_follow_rows_that_end_or_move_without_writing():
     from pipeline.engine.drafter import Backlog
 
     def col(tok, rows=4):
-        return (torch.arange(rows) + 10 * tok, torch.arange(rows, dtype=torch.float32)[:, None] + tok,
-                torch.arange(rows) + 100 * tok)
+        return (torch.arange(rows) + 10 * tok, torch.arange(rows, dtype=torch.float32)[:, None, None] + tok,
+                (torch.arange(rows) + 100 * tok)[:, None])
 
     b = Backlog(batch_size=4, size=3, device="cpu")
     slots = [0, 1, 2, 3]
@@ -406,8 +406,8 @@ def test_the_last_steps_column_gives_each_row_its_own_token_after_rows_end_and_m
     from pipeline.engine.drafters import MTPSource
     path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=1, with_tokenizer=False)
     d = MTPSource.for_engine(Engine.from_pretrained(path, device="cpu", max_batch_size=4), 4, 32).drafter
-    hidden = torch.arange(4, dtype=torch.float32)[:, None].expand(4, 3)
-    d.add_column(4, torch.tensor([10, 11, 12, 13]), hidden, torch.tensor([100, 101, 102, 103]))
+    hidden = torch.arange(4, dtype=torch.float32)[:, None, None].expand(4, 1, 3)
+    d.add_column(4, torch.tensor([10, 11, 12, 13]), hidden, torch.tensor([[100], [101], [102], [103]]))
     d.drop_rows(torch.tensor([2]))
     assert d.column is not None and not d.pending          # nothing built yet
     d._column_to_pending()
@@ -416,7 +416,7 @@ def test_the_last_steps_column_gives_each_row_its_own_token_after_rows_end_and_m
     assert fill.start.tolist() == [10, 11, 13] and fill.next_ids[:, 0].tolist() == [100, 101, 103]
     assert fill.hidden[:, 0, 0].tolist() == [0.0, 1.0, 3.0]
     d.pending = []
-    d.add_column(4, torch.tensor([10, 11, 12, 13]), hidden, torch.tensor([100, 101, 102, 103]))
+    d.add_column(4, torch.tensor([10, 11, 12, 13]), hidden, torch.tensor([[100], [101], [102], [103]]))
     d.drop_rows(torch.tensor([1]))
     d.move_row(3, 1)
     d._column_to_pending()

@@ -154,7 +154,7 @@ class Backlog:
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.tokens: dict[int, int] = {}               # slot -> tokens held
         self.written: set[int] = set()                 # slots whose buffer rows hold some of them
-        self.held: list[tuple] = []      # unwritten: (column, start [r] or None, hidden [r, H], next_ids [r],
+        self.held: list[tuple] = []      # unwritten: (column, start [r] or None, hidden [r, 1, H], next_ids [r, 1],
                                          # slots: where each of the r rows sits now, None: ended); steps
                                          # of the same rows share one slots list
 
@@ -167,10 +167,10 @@ class Backlog:
         r, w = p.next_ids.shape
         slots = p.slots if p.slots is not None else p.rows.tolist()
         counts = p.counts if p.counts is not None else p.count.tolist()
-        if all(c == 1 for c in counts) and self.add_column(slots, p.start, p.hidden[:, 0], p.next_ids[:, 0]) is not None:
+        if all(c == 1 for c in counts) and self.add_column(slots, p.start, p.hidden[:, :1], p.next_ids[:, :1]) is not None:
             return []
         self._flush()
-        self._buffers(p.hidden[:, 0], p.next_ids[:, 0])
+        self._buffers(p.hidden, p.next_ids)
         over, fresh, skips = [], [], []          # fresh: rows starting a backlog (their start is set)
         moves = []                               # (row in p, slot, from column in p, to column, tokens)
         for i, (slot, c) in enumerate(zip(slots, counts)):
@@ -205,7 +205,7 @@ class Backlog:
     def add_column(self, slots: list, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor,
                    restart: bool = False) -> bool | None:
         """Hold one token for each row of `slots` (host ints, in the order of the rows of `hidden`
-        [r, H], `next_ids` [r] and their positions `start` [r]; None: a row that ended, skipped)
+        [r, 1, H], `next_ids` [r, 1] and their positions `start` [r]; None: a row that ended, skipped)
         where all of them hold the same number of tokens, fewer than the size: no copy (class
         docstring). `restart`: where all hold the size already and no other slot holds any, they
         drop their tokens and start over from this one, as `add` would. None (nothing done)
@@ -233,7 +233,7 @@ class Backlog:
 
     def _buffers(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> None:
         if self.hidden is None:
-            self.hidden = hidden.new_zeros(self.batch_size, self.size, hidden.shape[-1])
+            self.hidden = hidden.new_zeros(self.batch_size, self.size, hidden.shape[-1])     # from [r, w, H]
             self.ids = next_ids.new_zeros(self.batch_size, self.size)
 
     def _flush(self) -> None:
@@ -249,8 +249,8 @@ class Backlog:
             keep = [k for k, s in enumerate(slots) if s is not None]
             if keep:
                 self._buffers(held[i][2], held[i][3])
-                hidden = torch.stack([h[2] for h in held[i:j]], dim=1)          # [r, k, H]
-                ids = torch.stack([h[3] for h in held[i:j]], dim=1)
+                hidden = torch.cat([h[2] for h in held[i:j]], dim=1)            # [r, k, H]
+                ids = torch.cat([h[3] for h in held[i:j]], dim=1)
                 dst = [slots[k] for k in keep]
                 if dst == list(range(len(slots))):                             # rows 0..r-1 in order: views
                     rows, src = slice(0, len(slots)), slice(None)
@@ -401,7 +401,7 @@ class Drafter:
 
     def add_column(self, n: int, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor) -> None:
         """A verify step where rows 0..n-1 kept one token each (every plain step): `start` [n]
-        their positions, `hidden` [n, H], `next_ids` [n]. Held as it is, rows that move or end
+        their positions, `hidden` [n, 1, H], `next_ids` [n, 1]. Held as it is, rows that move or end
         meanwhile followed in a host list: a plain step that follows holds it in the backlog
         as it is too (`discard_pending`), without the PendingFill that a draft makes of it
         (`_column_to_pending`). That fill and its append were ~80 us of host time a plain step
@@ -431,7 +431,7 @@ class Drafter:
             start, hidden, next_ids = start[idx], hidden[idx], next_ids[idx]
         in_order = live == list(range(len(live)))          # rows 0..r-1: the fill reads views
         rows = torch.arange(len(live), device=dev) if in_order else torch.tensor(live, device=dev)
-        self.pending.append(PendingFill(rows, start, hidden[:, None], next_ids[:, None], torch.ones_like(start),
+        self.pending.append(PendingFill(rows, start, hidden, next_ids, torch.ones_like(start),
                                         slots=live, counts=[1] * len(live)))
 
     def add_prompt(self, fill: PendingFill, slots: list[int], lengths: list[int]) -> None:

@@ -90,7 +90,9 @@ class MTPSource:
         rows kept at most 3 would otherwise be filled 9 wide. `accepted`: num_accepted on the host."""
         w = max(accepted) + 1 if n else 0
         if w == 1:                                   # one token a row (every plain step): no fill built yet
-            self.drafter.add_column(n, lengths.clone(), hidden[:, 0], emitted[:, 0])
+            if hidden.shape[1] > 1:                  # (a verify of drafts none of which was kept)
+                hidden, emitted = hidden[:, :1], emitted[:, :1]
+            self.drafter.add_column(n, lengths.clone(), hidden, emitted)
             return
         self.drafter.add_pending(PendingFill(torch.arange(n, device=lengths.device), lengths.clone(),
                                              hidden[:, :w], emitted[:, :w], num_accepted + 1,
