@@ -213,6 +213,47 @@ def test_a_steps_held_column_leaves_the_heads_as_the_fill_built_at_once(tmp_path
         assert lazy.backlog.start[slot] == eager.backlog.start[slot]
 
 
+@torch.no_grad()
+def test_rows_ending_and_moving_during_plain_steps_write_none_of_the_heads_held_columns(tmp_path, monkeypatch):
+    """Four rows admitted together decode plainly with the heads ready to draft (a policy that
+    may speculate) while they end one by one, the last rows moving into the holes: the heads'
+    held columns are written nowhere and the last step's column is never turned into a fill.
+    Counted, not timed: at 32 rows each such write was ~0.2 ms of host time (docs/decisions.md,
+    stop 60)."""
+    from pipeline.engine.drafter import Backlog, Drafter
+    path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    engine = Engine.from_pretrained(path, device="cpu", max_batch_size=4)
+    budgets = [12, 6, 9, 14]
+    rows = [Row(i, p, b, RequestOutput()) for i, (p, b) in enumerate(zip(random_prompts([5, 9, 3, 7], 128, seed=6),
+                                                                          budgets))]
+    run = GenerateRun(engine, rows, SamplingParams(max_new_tokens=max(budgets), ignore_eos=True), FixedGamma(2))
+    writes, fills = [], []
+    real_flush, real_to_pending = Backlog._flush, Drafter._column_to_pending
+
+    def flush(self):
+        writes.append(len(self.held))
+        real_flush(self)
+
+    def to_pending(self):
+        fills.append(self.column is not None)
+        real_to_pending(self)
+    monkeypatch.setattr(Backlog, "_flush", flush)
+    monkeypatch.setattr(Drafter, "_column_to_pending", to_pending)
+    run.policy = FixedGamma(0)                   # the heads are built for gamma 2; every step is plain
+    moved = []
+    real_move = Slots._move
+    monkeypatch.setattr(Slots, "_move", lambda self, src, dst: (moved.append((src, dst)), real_move(self, src, dst)))
+    held, backlog = [], run.sources.get("mtp").drafter.backlog
+    while run.queue or run.slots.n:
+        run._admit()
+        run._step()
+        held.append(len(backlog.held))
+    assert moved and all(r.finished for r in rows)          # rows ended in the middle and others moved
+    assert not any(writes) and not any(fills)
+    assert [len(r.tokens) for r in rows] == budgets
+    assert max(held) >= 5                                      # the backlog held the plain steps' columns
+
+
 def test_a_call_reusing_the_last_calls_caches_generates_what_a_fresh_engine_does(tmp_path):
     """Caches are kept between calls; whatever a slot held before is masked until overwritten."""
     path = tiny_checkpoint(str(tmp_path), arch="qwen3", num_mtp_layers=2, draftable=0.1, with_tokenizer=False)
