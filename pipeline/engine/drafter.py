@@ -137,13 +137,14 @@ class Backlog:
     step's fill with host counts is appended without reading the device). A row that would hold
     more than `size` starts over from its newest step: the tokens before are a masked gap (`add`
     returns which rows).
-    A step where every row appends one token at the same column is held as it is (`add_column`:
-    its tensors, and a list of the slot each of its rows sits in now) and written into the
-    buffers only when a fill reads them or a step appends otherwise (`_flush`). A row that ends
-    or moves changes that list, not the tensors; rows that overflow drop their held columns
-    unwritten. Most plain steps then copy nothing: at batch 1 keeping the backlog cost ~45 us of
-    a 0.8 ms plain step (docs/decisions.md, stop 54), and at 32 rows a row ending or moving
-    wrote the held columns first, ~0.2 ms each (stop 60).
+    A step where every row appends one token (each after its own tokens) is held as it is
+    (`add_column`: its tensors, and a list of the slot each of its rows sits in now) and written
+    into the buffers only when a fill reads them or a step appends several tokens a row
+    (`_flush`). A row that ends or moves changes that list, not the tensors; a row that overflows
+    drops its held columns unwritten. Most plain steps then copy nothing: at batch 1 keeping the
+    backlog cost ~45 us of a 0.8 ms plain step (docs/decisions.md, stop 54); at 32 rows a row
+    ending or moving wrote the held columns first (~0.2 ms each), and rows holding different
+    counts (every plain step after a drafted one) took the general append, ~130 us a step (stop 60).
     Example: slot 2 skips positions 40, 41, 42: `take` gives one fill of rows [2], start [40],
     count [3]."""
 
@@ -203,32 +204,38 @@ class Backlog:
         return over
 
     def add_column(self, slots: list, start: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor,
-                   restart: bool = False) -> bool | None:
+                   restart: bool = False) -> list[int] | None:
         """Hold one token for each row of `slots` (host ints, in the order of the rows of `hidden`
-        [r, 1, H], `next_ids` [r, 1] and their positions `start` [r]; None: a row that ended, skipped)
-        where all of them hold the same number of tokens, fewer than the size: no copy (class
-        docstring). `restart`: where all hold the size already and no other slot holds any, they
-        drop their tokens and start over from this one, as `add` would. None (nothing done)
-        otherwise: the caller takes `add`'s general path. Else whether older tokens were dropped."""
-        tokens = self.tokens
-        live = [s for s in slots if s is not None]
-        if not live:
-            return False
-        col = tokens.get(live[0], 0)
-        if any(tokens.get(s, 0) != col for s in live):
-            return None
-        over = col >= self.size
+        [r, 1, H], `next_ids` [r, 1] and their positions `start` [r]; None: a row that ended,
+        skipped), each at the column after its own tokens: no copy (class docstring). A row that
+        holds the size already: with `restart` it drops its tokens and starts over from this one,
+        as `add` would; without, nothing is done and None returned (the caller takes `add`'s
+        general path). Else the slots whose older tokens were dropped.
+        Example: slots [4, None, 2] holding 3 and 0 tokens: 4's token goes to column 3, 2's to 0."""
+        tokens, size = self.tokens, self.size
+        cols = [-1 if s is None else tokens.get(s, 0) for s in slots]     # -1: an ended row
+        over = [s for s, c in zip(slots, cols) if c >= size]
         if over:
-            if not (restart and len(tokens) == len(live)):
+            if not restart:
                 return None
-            self.held, col = [], 0                     # their older tokens: dropped, held ones unwritten
-            self.written.difference_update(live)
+            for s in over:                             # older tokens dropped, held ones unwritten
+                self._rename(s, None)
+                self.written.discard(s)
+            live_lists = {id(h[4]) for h in self.held if any(x is not None for x in h[4])}
+            self.held = [h for h in self.held if id(h[4]) in live_lists]     # (bounded over a long plain run)
+            cols = [0 if c >= size else c for c in cols]
+        live = [c for c in cols if c >= 0]
+        if not live:
+            return over
+        col = live[0]
+        at = col if all(c == col for c in live) else tuple(cols)       # one column for all, or each row's
         last = self.held[-1][4] if self.held else None
         if last is None or last != slots:              # rows that moved or ended since: a list of their own
             last = list(slots)
-        self.held.append((col, start if col == 0 else None, hidden, next_ids, last))
-        for s in live:
-            tokens[s] = col + 1
+        self.held.append((at, start if 0 in live else None, hidden, next_ids, last))
+        for s, c in zip(slots, cols):
+            if c >= 0:
+                tokens[s] = c + 1
         return over
 
     def _buffers(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> None:
@@ -237,30 +244,38 @@ class Backlog:
             self.ids = next_ids.new_zeros(self.batch_size, self.size)
 
     def _flush(self) -> None:
-        """Write the held columns into the buffers: one copy per run of consecutive columns
-        over the same rows (hidden states, ids, and the start where the run begins a backlog)."""
+        """Write the held columns into the buffers: one copy per run of consecutive columns over
+        the same rows (hidden states, ids, and the start of rows a run begins a backlog for)."""
         held, self.held = self.held, []
         i = 0
         while i < len(held):
-            col, start, _, _, slots = held[i]
-            j = i + 1
-            while j < len(held) and held[j][4] is slots and held[j][0] == held[j - 1][0] + 1:
-                j += 1
+            at, start, _, _, slots = held[i]
             keep = [k for k, s in enumerate(slots) if s is not None]
+            base = [at if isinstance(at, int) else at[k] for k in keep]       # each kept row's first column
+            j = i + 1
+            while j < len(held) and held[j][4] is slots and _columns(held[j][0], keep) == [c + j - i for c in base]:
+                j += 1
             if keep:
                 self._buffers(held[i][2], held[i][3])
                 hidden = torch.cat([h[2] for h in held[i:j]], dim=1)            # [r, k, H]
                 ids = torch.cat([h[3] for h in held[i:j]], dim=1)
                 dst = [slots[k] for k in keep]
-                if dst == list(range(len(slots))):                             # rows 0..r-1 in order: views
-                    rows, src = slice(0, len(slots)), slice(None)
-                else:
-                    rows = torch.tensor(dst, device=self.device)
-                    src = torch.tensor(keep, device=self.device)
-                self.hidden[rows, col:col + j - i] = hidden[src]
-                self.ids[rows, col:col + j - i] = ids[src]
-                if start is not None:
-                    self.start[rows] = start[src]
+                in_order = dst == list(range(len(slots)))
+                rows = slice(0, len(slots)) if in_order else torch.tensor(dst, device=self.device)
+                src = slice(None) if in_order else torch.tensor(keep, device=self.device)
+                if isinstance(at, int):                                        # one column for all rows
+                    cols = slice(at, at + j - i)
+                else:                                                          # each row from its own column
+                    cols = torch.tensor(base, device=self.device)[:, None] + torch.arange(j - i, device=self.device)
+                    rows = torch.tensor(dst, device=self.device)[:, None]
+                self.hidden[rows, cols] = hidden[src]
+                self.ids[rows, cols] = ids[src]
+                if start is not None:                                          # rows starting a backlog here
+                    fresh = [n for n, c in enumerate(base) if c == 0]
+                    at_rows = [dst[n] for n in fresh]
+                    at_src = [keep[n] for n in fresh]
+                    if at_rows:
+                        self.start[torch.tensor(at_rows, device=self.device)] = start[torch.tensor(at_src, device=self.device)]
                 self.written.update(dst)
             i = j
 
@@ -306,6 +321,11 @@ class Backlog:
                            torch.tensor(counts, device=self.device), slots=slots, counts=counts)
         self.tokens, self.written = {}, set()
         return fill
+
+
+def _columns(at, keep: list[int]) -> list[int]:
+    """A held column's backlog column of each of the rows `keep` (one int for all, or per row)."""
+    return [at] * len(keep) if isinstance(at, int) else [at[k] for k in keep]
 
 
 def _coupled_native(pick) -> tuple[float, int, torch.Tensor] | None:
@@ -445,13 +465,12 @@ class Drafter:
         if self.column is not None and not self.pending:
             start, hidden, next_ids, slots = self.column
             over = self.backlog.add_column(slots, start, hidden, next_ids, restart=True)
-            if over is not None:
-                self.column = None
-                if over:
-                    lost = torch.tensor([s for s in slots if s is not None], device=start.device)
-                    self.carry_ok[lost] = False
-                    self.gap[lost] = True
-                return
+            self.column = None
+            if over:
+                lost = torch.tensor(over, device=start.device)
+                self.carry_ok[lost] = False
+                self.gap[lost] = True
+            return
         self._column_to_pending()
         for p in self.pending:
             if p.rows.numel():
