@@ -251,7 +251,7 @@ class Backlog:
         while i < len(held):
             at, start, _, _, slots = held[i]
             keep = [k for k, s in enumerate(slots) if s is not None]
-            base = [at if isinstance(at, int) else at[k] for k in keep]       # each kept row's first column
+            base = _columns(at, keep)                                         # each kept row's first column
             j = i + 1
             while j < len(held) and held[j][4] is slots and _columns(held[j][0], keep) == [c + j - i for c in base]:
                 j += 1
@@ -270,12 +270,10 @@ class Backlog:
                     rows = torch.tensor(dst, device=self.device)[:, None]
                 self.hidden[rows, cols] = hidden[src]
                 self.ids[rows, cols] = ids[src]
-                if start is not None:                                          # rows starting a backlog here
-                    fresh = [n for n, c in enumerate(base) if c == 0]
-                    at_rows = [dst[n] for n in fresh]
-                    at_src = [keep[n] for n in fresh]
-                    if at_rows:
-                        self.start[torch.tensor(at_rows, device=self.device)] = start[torch.tensor(at_src, device=self.device)]
+                fresh = [n for n, c in enumerate(base) if c == 0]             # rows starting a backlog here
+                if start is not None and fresh:
+                    to = torch.tensor([dst[n] for n in fresh], device=self.device)
+                    self.start[to] = start[torch.tensor([keep[n] for n in fresh], device=self.device)]
                 self.written.update(dst)
             i = j
 
