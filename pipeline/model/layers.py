@@ -178,6 +178,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    generation = 0      # bumped whenever any layer's native_layer is set (TargetModel.native_stack rebuilds then)
+
     def __init__(self, cfg: ArchConfig, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -185,6 +187,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.native_layer = None   # CPU inference: the whole layer as one C call (native.layer_weights), set by pack_linears_
+
+    @property
+    def native_layer(self):
+        return self._native_layer
+
+    @native_layer.setter
+    def native_layer(self, value) -> None:
+        self._native_layer = value
+        DecoderLayer.generation += 1
 
     def block(self, x: torch.Tensor, batch: Batch, cache: KVCache | None, layer: int) -> torch.Tensor:
         nl = self.native_layer
