@@ -168,7 +168,8 @@ class Backlog:
         r, w = p.next_ids.shape
         slots = p.slots if p.slots is not None else p.rows.tolist()
         counts = p.counts if p.counts is not None else p.count.tolist()
-        if all(c == 1 for c in counts) and self.add_column(slots, p.start, p.hidden[:, :1], p.next_ids[:, :1]) is not None:
+        if all(c == 1 for c in counts) and self.add_column(slots, p.start, p.hidden[:, :1],
+                                                            p.next_ids[:, :1]) is not None:
             return []
         self._flush()
         self._buffers(p.hidden, p.next_ids)
