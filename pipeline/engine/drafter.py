@@ -219,9 +219,8 @@ class Backlog:
         if over:
             if not restart:
                 return None
-            for s in over:                             # older tokens dropped, held ones unwritten
-                self._rename(s, None)
-                self.written.discard(s)
+            self._rename(dict.fromkeys(over))          # older tokens dropped, held ones unwritten
+            self.written.difference_update(over)
             live_lists = {id(h[4]) for h in self.held if any(x is not None for x in h[4])}
             self.held = [h for h in self.held if id(h[4]) in live_lists]     # (bounded over a long plain run)
             cols = [0 if c >= size else c for c in cols]
@@ -262,10 +261,10 @@ class Backlog:
                 ids = torch.cat([h[3] for h in held[i:j]], dim=1)
                 dst = [slots[k] for k in keep]
                 in_order = dst == list(range(len(slots)))
-                rows = slice(0, len(slots)) if in_order else torch.tensor(dst, device=self.device)
                 src = slice(None) if in_order else torch.tensor(keep, device=self.device)
                 if isinstance(at, int):                                        # one column for all rows
                     cols = slice(at, at + j - i)
+                    rows = slice(0, len(slots)) if in_order else torch.tensor(dst, device=self.device)
                 else:                                                          # each row from its own column
                     cols = torch.tensor(base, device=self.device)[:, None] + torch.arange(j - i, device=self.device)
                     rows = torch.tensor(dst, device=self.device)[:, None]
@@ -278,28 +277,25 @@ class Backlog:
                 self.written.update(dst)
             i = j
 
-    def _rename(self, src: int, dst) -> None:
-        """Each held slots list: slot `src` is `dst` now (None: ended)."""
+    def _rename(self, renamed: dict) -> None:
+        """Each held slots list: a slot in `renamed` is what it maps to now (None: ended)."""
         seen = None
         for h in self.held:
-            slots = h[4]
-            if slots is not seen:
-                seen = slots
-                for k, s in enumerate(slots):
-                    if s == src:
-                        slots[k] = dst
+            if h[4] is not seen:                     # columns of the same rows share their list
+                seen = h[4]
+                _rename_slots(seen, renamed)
 
     def drop(self, slots: list[int]) -> None:
-        for s in slots:
-            if self.tokens.pop(s, None) is not None:
-                self._rename(s, None)
-            self.written.discard(s)
+        holding = [s for s in slots if self.tokens.pop(s, None) is not None]
+        if holding:
+            self._rename(dict.fromkeys(holding))
+        self.written.difference_update(slots)
 
     def move(self, src: int, dst: int) -> None:
         n = self.tokens.pop(src, None)
         if n is None:
             return
-        self._rename(src, dst)
+        self._rename({src: dst})
         if src in self.written:                  # what was written already moves with it
             self.hidden[dst], self.ids[dst] = self.hidden[src], self.ids[src]
             self.start[dst] = self.start[src]
@@ -320,6 +316,13 @@ class Backlog:
                            torch.tensor(counts, device=self.device), slots=slots, counts=counts)
         self.tokens, self.written = {}, set()
         return fill
+
+
+def _rename_slots(slots: list, renamed: dict) -> None:
+    """In place: each entry of `slots` found in `renamed` becomes what it maps to (None: ended)."""
+    for k, s in enumerate(slots):
+        if s in renamed:
+            slots[k] = renamed[s]
 
 
 def _columns(at, keep: list[int]) -> list[int]:
@@ -397,7 +400,7 @@ class Drafter:
         self.carry_ok[dst] = self.carry_ok[src]
         self.gap[dst] = self.gap[src]
         if self.column is not None:
-            self._column_rename({src: dst})
+            _rename_slots(self.column[3], {src: dst})
         for p in self.pending:
             p.move(src, dst)
         self.prompts.move(src, dst)
@@ -407,7 +410,7 @@ class Drafter:
         slots = rows.tolist()                      # rows finish once each: a device read is fine here
         gone = set(slots)
         if self.column is not None:
-            self._column_rename(dict.fromkeys(gone))
+            _rename_slots(self.column[3], dict.fromkeys(gone))
         if self.pending:
             self.pending = [p.without(gone) for p in self.pending]
         if self.prompts or self.backlog:
@@ -427,13 +430,6 @@ class Drafter:
         at 32 rows (docs/decisions.md, stop 53)."""
         self._column_to_pending()
         self.column = (start, hidden, next_ids, list(range(n)))
-
-    def _column_rename(self, renamed: dict) -> None:
-        """The held column's rows now in slots `renamed` maps them to (None: ended)."""
-        slots = self.column[3]
-        for k, s in enumerate(slots):
-            if s in renamed:
-                slots[k] = renamed[s]
 
     def _column_to_pending(self) -> None:
         if self.column is None:
