@@ -213,3 +213,38 @@ def test_greedy_matches_transformers_through_the_float16_weight_gemm(tmp_path, t
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), gamma=gamma)
         assert [o.token_ids for o in outs] == refs, f"gamma={gamma}"
     assert bool(drafted_in_c) == (kernel == "native")      # greedy drafts by the heads' C path
+
+
+@pytest.mark.parametrize("arch,rope", [
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}),
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0}),
+])
+def test_greedy_matches_transformers_with_scaled_rope(tmp_path, arch, rope):
+    """Checkpoints with RoPE scaling (Llama 3's frequency bands; YaRN, whose tables also carry an
+    attention scale) and bfloat16 weights, so the layers run as C calls on CPU: the rotary tables
+    are transformers' own, and greedy output is still transformers' at every gamma and draft source."""
+    import json
+
+    from pipeline.demo.build import store_weights
+    from pipeline.model import native
+    from pipeline.model.tiny import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "m", arch=arch, num_mtp_layers=1, draftable=0.1, with_tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = rope
+    (path / "config.json").write_text(json.dumps(config))
+    store_weights(path, "bfloat16", log=lambda _: None)
+    prompts = random_prompts([5, 40, 3, 70, 12], 128, seed=3)    # positions past 64 / 128 after 40 new
+    refs = hf_greedy(str(path), prompts, 40)
+    config.pop("rope_parameters")
+    (path / "config.json").write_text(json.dumps(config))
+    assert hf_greedy(str(path), prompts, 40) != refs, "the scaling must change what these prompts decode"
+    config["rope_parameters"] = rope
+    (path / "config.json").write_text(json.dumps(config))
+    engine = Engine.from_pretrained(str(path), device="cpu", max_batch_size=3)
+    assert engine.target.rotary.rope_type == rope["rope_type"]
+    if native.library() is not None:
+        assert all(layer.native_layer is not None for layer in engine.target.model.layers)
+    for gamma, draft in [(0, "mtp"), (3, "mtp"), ("auto", "auto"), ("auto", "ngram")]:
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=40), gamma=gamma, draft=draft)
+        assert [o.token_ids for o in outs] == refs, (gamma, draft)
