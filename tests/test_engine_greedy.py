@@ -248,3 +248,26 @@ def test_greedy_matches_transformers_with_scaled_rope(tmp_path, arch, rope):
     for gamma, draft in [(0, "mtp"), (3, "mtp"), ("auto", "auto"), ("auto", "ngram")]:
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=40), gamma=gamma, draft=draft)
         assert [o.token_ids for o in outs] == refs, (gamma, draft)
+
+
+def test_greedy_matches_transformers_on_odd_shapes_through_the_c_layers(tmp_path):
+    """Sizes no kernel's blocking divides (hidden 96 in 3 heads of 32, one KV head for three,
+    an MLP of 200, a tied vocabulary of 1000) with bfloat16 weights, so every layer and head is a
+    C call on CPU, and a 200-token prompt, prefilled in several pieces: transformers' greedy tokens
+    at every gamma and draft source."""
+    from pipeline.demo.build import store_weights
+    from pipeline.model import native
+    from pipeline.model.tiny import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "m", arch="llama", num_mtp_layers=2, draftable=0.1, with_tokenizer=False,
+                                num_layers=3, hidden_size=96, num_heads=3, num_kv_heads=1, intermediate_size=200,
+                                vocab_size=1000, tie_word_embeddings=True)
+    store_weights(path, "bfloat16", log=lambda _: None)
+    prompts = random_prompts([5, 40, 3, 200, 12], 1000, seed=0)
+    refs = hf_greedy(str(path), prompts, 30)
+    engine = Engine.from_pretrained(str(path), device="cpu", max_batch_size=4)
+    if native.library() is not None:
+        assert all(layer.native_layer is not None for layer in engine.target.model.layers)
+    for gamma, draft in [(0, "mtp"), (2, "mtp"), (5, "mtp"), ("auto", "auto"), ("auto", "ngram")]:
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=30), gamma=gamma, draft=draft)
+        assert [o.token_ids for o in outs] == refs, (gamma, draft)
+    assert engine.stats.accepted[0] > 0
