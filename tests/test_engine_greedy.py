@@ -106,7 +106,9 @@ def test_auto_policy_records_a_decision_per_step(root):
             and top <= d.predicted_goodput[0] * (1 + margin)) or (   # or exploring where the mean picks gamma 0
             d.gamma > 0 and d.exploring and f"exploring gamma {d.gamma}" in d.reason
             and top <= d.predicted_goodput[0] * (1 + margin)) or (   # or one depth past the argmax, exploring
-            d.exploring and "one depth deeper" in d.reason and d.predicted_goodput[d.gamma - 1] == top)
+            d.exploring and "one depth deeper" in d.reason and d.predicted_goodput[d.gamma - 1] == top) or (
+            d.gamma > 0 and d.measuring and f"measuring gamma {d.gamma} at this shape" in d.reason   # or a near
+            and top <= d.predicted_goodput[d.gamma] * (1 + margin))                  # tie, priced by its own steps
     assert any(not d.measuring for d in decided)
 
 

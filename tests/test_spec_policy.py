@@ -355,20 +355,23 @@ def _timed_steps(local, model, gamma, ms, n, rows=1, ctx=100):
         local.add(StepRecord(gamma, rows, gamma + 1, ctx, ms * 1e-3, 0.0, rows), model)
 
 
-def _spell_setup():
+def _spell_setup(every_gamma: bool = False):
     """One row, acceptance 0.3: plain decoding at 10 ms beats gamma 1 at 14 ms (1.3 tokens), but
-    gamma 0 was last measured in a 1.5x slow spell (15 ms), so speculation looks 1.39x better."""
+    gamma 0 was last measured in a 1.5x slow spell (15 ms), so speculation looks 1.39x better.
+    every_gamma: gammas 2..GMAX priced by steps of their own too, at gamma 1's ratio to the model
+    (so no near tie runs to be measured)."""
     local = LocalCorrection()
     measured = replace(ROOFLINE, local=local)
     prior = SpecStats()
     prior.reached, prior.accepted = [10000] * GMAX, [3000] * GMAX
-    _timed_steps(local, measured, 1, 14.0, 8)
+    for g in range(1, GMAX + 1 if every_gamma else 2):
+        _timed_steps(local, measured, g, 14.0 * ROOFLINE.modelled_step_s(1, g, 100) / ROOFLINE.modelled_step_s(1, 1, 100), 8)
     _timed_steps(local, measured, 0, 15.0, 8)
     return local, measured, GoodputPolicy(GMAX, lambda: measured, prior)
 
 
 def test_gamma_0_priced_in_a_slow_spell_is_re_measured_within_its_budget():
-    local, measured, policy = _spell_setup()
+    local, measured, policy = _spell_setup(every_gamma=True)
     ctx = StepContext(rows=1, context_len=100, stats=SpecStats())
     first = policy.choose(ctx)
     d = policy.decisions[-1]
@@ -430,7 +433,9 @@ def test_at_gamma_0_a_speculative_price_is_re_measured_within_its_budget():
     loss = 1 - d.predicted_goodput[1] / d.predicted_goodput[0]
     assert "re-measuring gamma 1" in d.reason and loss > 0
     assert steps >= MIN_LOCAL * loss / policy.remeasure_share - MIN_LOCAL     # not before its budget
-    assert spec > MIN_LOCAL and policy.choose(ctx) > 0 and not policy.decisions[-1].measuring   # speculating
+    assert spec > MIN_LOCAL and policy.choose(ctx) > 0                       # speculating: at the best gamma,
+    d = policy.decisions[-1]                                                  # or at a near tie priced by gamma
+    assert not d.measuring or "measuring gamma" in d.reason and "on another gamma's price" in d.reason   # 1's steps
 
 def test_prompt_fills_a_speculative_re_measure_would_run_count_in_its_budget():
     """The first step of a speculative re-measure runs the heads over every waiting prompt, lost
@@ -626,3 +631,37 @@ def test_drafting_measured_at_one_context_is_not_priced_as_context():
     assert spread.draft_ctx_s > 0
     assert spread.draft_s(1, 2, 400.0) > spread.draft_s(1, 2, 40.0)
 
+
+
+def test_a_near_tie_priced_by_another_gammas_steps_is_measured_then_decided_by_its_own():
+    """The smooth model prices each token past its knee at 0.4 ms where it takes 0.3: with gamma 0
+    and 2 measured it picks gamma 2, and gammas 1, 3 and 4, priced on gamma 2's factor, are
+    predicted within `min_gain` of it; gamma 5 is not. Each near tie runs MIN_LOCAL steps marked
+    `measuring`; gamma 3 measured cheaper takes over, which brings gamma 5 (priced on gamma 4's
+    factor now) within the margin of it, and it is measured too; then the policy settles on the
+    truth's best, gamma 3."""
+    believed = CostModel((1e-3, 0.0, 0.4e-3, 0.0), 2.0, (0.1e-3, 0.0, 0.05e-3, 0.0), 0)
+    truth = replace(believed, verify_coef=(1e-3, 0.0, 0.3e-3, 0.0))
+    local = LocalCorrection()
+    measured = replace(believed, local=local)
+    prior = SpecStats()
+    prior.reached, prior.accepted = [10000] * GMAX, [9000] * GMAX
+    for g in (0, 2):
+        _timed_steps(local, measured, g, 1e3 * truth.modelled_step_s(1, g, 100), MIN_LOCAL)
+    policy = GoodputPolicy(GMAX, lambda: measured, prior)
+    ctx = StepContext(rows=1, context_len=100, stats=SpecStats())
+    ran = []
+    for _ in range(48):
+        g = policy.choose(ctx)
+        ran.append((g, policy.decisions[-1]))
+        _timed_steps(local, measured, g, 1e3 * truth.modelled_step_s(1, g, 100), 1)
+    gp = ran[0][1].predicted_goodput
+    assert max(range(len(gp)), key=gp.__getitem__) == 2                       # the model alone: gamma 2
+    assert gp[5] * (1 + policy.min_gain) < gp[2] < min(gp[1], gp[3], gp[4]) * (1 + policy.min_gain)
+    measuring = [g for g, d in ran if d.measuring]
+    assert all("on another gamma's price" in d.reason for _, d in ran if d.measuring)
+    assert sorted(set(measuring)) == [1, 3, 4, 5] and len(measuring) == 4 * MIN_LOCAL
+    assert all("behind gamma 3" in d.reason for g, d in ran if g == 5)        # only once gamma 3 leads
+    assert all(g == 3 and not d.measuring for g, d in ran[-16:])              # the truth's best
+    truth_gp = choose_gamma(truth, [0.9] * GMAX, 1, 100, GMAX).predicted_goodput
+    assert max(range(GMAX + 1), key=truth_gp.__getitem__) == 3

@@ -335,6 +335,14 @@ class LocalCorrection:
         rb, cb = rows_bucket(rows), context_bucket(ctx)
         return [self._factor_at(g, rb, cb) for g in range(gamma_max + 1)]
 
+    def priced_by_own(self, gamma: int, rows: int, ctx: float) -> bool:
+        """Whether `factor` at this shape comes from this gamma's own steps at these rows (at this
+        context bucket or the nearest measured one), not from another gamma's."""
+        key = (gamma, rows_bucket(rows), context_bucket(ctx))
+        self._factor_at(*key)
+        source = self._source[key]
+        return source is not None and source[0] == gamma
+
     def _factor_at(self, gamma: int, rb: int, cb: int) -> float:
         key = (gamma, rb, cb)
         if key not in self._source:

@@ -52,6 +52,11 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   `remeasure_share` steps have passed (`LocalCorrection.next_remeasure`). Per bucket, a batch
   of 48 draining through ten rows buckets after a long batch-1 call re-measured every one of
   them: 35 of 126 steps, 10%.
+- Near ties priced by their own steps: where a speculative gamma is chosen and another is
+  predicted within `min_gain` of it on a borrowed price (no steps of its own at these rows: the
+  smooth model times another gamma's measured factor), that gamma runs MIN_LOCAL steps, marked
+  `measuring`, once per rows bucket: the smooth model's one slope over gamma priced a depth at
+  one row ~0.44 ms where the steps took ~0.27 (docs/decisions.md, stop 61).
 - No cost model yet (a call of a few rows on an engine with no profile, in memory or on disk,
   takes none: pipeline.engine.warm_start): `explore` runs gamma 0, gamma_max and one between
   on real steps, the three shapes the model is then fitted from.
@@ -274,6 +279,7 @@ class GoodputPolicy:
         if model.local is not None:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
             d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len, ctx.waiting_fill_total_s)
+            d = self._measure_near_tie(d, model.local, ctx.rows, ctx.context_len)
         return self._record(d)
 
     def _priced(self, model: CostModel, acceptance: list[float], ctx: StepContext) -> Decision:
@@ -362,6 +368,28 @@ class GoodputPolicy:
         plain_step_s = rows / goodput[0]
         loss = max(1 - goodput[g] / goodput[0], self.min_gain) + fills_s / plain_step_s / MIN_LOCAL
         return self._remeasure(d, g, f"gamma {g}", loss, local, rows, ctx)
+
+    def _measure_near_tie(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
+        """Where `d` speculates at gamma g, the speculative gamma predicted within `min_gain` of g
+        whose price at these rows is borrowed (no steps of its own here: the smooth model times
+        another gamma's measured factor) runs instead until MIN_LOCAL steps price it, marked
+        `measuring`; then the measured prices decide. The smooth model has one slope over gamma
+        for every batch size: at one row on the demo's CPU it priced each depth ~0.44 ms where
+        the steps took ~0.27, and auto held json at gamma 2 while gamma 3 ran 4-10% faster
+        (docs/decisions.md, stop 61). At most one run per gamma and rows bucket, each at a
+        predicted loss under `min_gain`."""
+        gp = d.predicted_goodput
+        if d.gamma == 0 or d.measuring or d.exploring or not gp:
+            return d
+        near = [g for g in range(1, len(gp)) if g != d.gamma and gp[g] * (1 + self.min_gain) >= gp[d.gamma]
+                and not local.priced_by_own(g, rows, ctx)]
+        if not near:
+            return d
+        g = max(near, key=lambda k: (gp[k], -k))
+        return Decision(g, f"rows={rows}: measuring gamma {g} at this shape ({local.count(g, rows, ctx)}/{MIN_LOCAL} "
+                           f"steps): predicted {1 - gp[g] / gp[d.gamma]:.1%} behind gamma {d.gamma} on another "
+                           f"gamma's price; then: {d.reason}",
+                        d.candidates, gp, d.acceptance, measuring=True)
 
     def _remeasure(self, d: Decision, gamma: int, what: str, gap: float, local: LocalCorrection, rows: int,
                    ctx: float) -> Decision:
