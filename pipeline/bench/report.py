@@ -182,11 +182,14 @@ def write_plots(result: dict, path: Path) -> None:
     fig.write_html(str(path), include_plotlyjs=True, full_html=True)
 
 
-def write_all(result: dict, out_dir: Path, machine: dict) -> str:
+def write_all(result: dict, out_dir: Path, machine: dict, plots: bool = True) -> str:
+    """bench.json, bench_plots.html (unless `plots` is False: it needs plotly) and bench.md;
+    returns bench.md's text."""
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = {"machine": machine, "cells": result["cells"]}
     (out_dir / "bench.json").write_text(json.dumps(raw, indent=2))          # first: the measurements
     raw["targets"] = check_targets(result["cells"])
     (out_dir / "bench.json").write_text(json.dumps(raw, indent=2))
-    write_plots(result, out_dir / "bench_plots.html")
+    if plots:
+        write_plots(result, out_dir / "bench_plots.html")
     return write_markdown(result, out_dir / "bench.md", machine)
