@@ -338,20 +338,23 @@ class LocalCorrection:
     def priced_by_own(self, gamma: int, rows: int, ctx: float) -> bool:
         """Whether `factor` at this shape comes from this gamma's own steps at these rows (at this
         context bucket or the nearest measured one), not from another gamma's."""
-        key = (gamma, rows_bucket(rows), context_bucket(ctx))
-        self._factor_at(*key)
-        source = self._source[key]
+        source = self._source_at(gamma, rows_bucket(rows), context_bucket(ctx))
         return source is not None and source[0] == gamma
 
     def _factor_at(self, gamma: int, rb: int, cb: int) -> float:
+        source = self._source_at(gamma, rb, cb)
+        return self.factors[source] if source is not None else 1.0
+
+    def _source_at(self, gamma: int, rb: int, cb: int) -> tuple | None:
+        """The measured bucket whose factor prices (gamma, rb, cb): the same gamma at the nearest
+        context, else the nearest gamma, at these rows; None where none is (memoised)."""
         key = (gamma, rb, cb)
         if key not in self._source:
             measured = self._by_rows.get(rb, [])
             g, c = min(measured, key=lambda m: (m[0] != gamma, abs(m[0] - gamma), abs(m[1] - cb), -m[0]),
                        default=(None, None))
             self._source[key] = None if g is None else (g, rb, c)
-        source = self._source[key]
-        return self.factors[source] if source is not None else 1.0
+        return self._source[key]
 
 
 class VerifyCorrection(LocalCorrection):

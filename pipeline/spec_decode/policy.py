@@ -370,14 +370,10 @@ class GoodputPolicy:
         return self._remeasure(d, g, f"gamma {g}", loss, local, rows, ctx)
 
     def _measure_near_tie(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
-        """Where `d` speculates at gamma g, the speculative gamma predicted within `min_gain` of g
-        whose price at these rows is borrowed (no steps of its own here: the smooth model times
-        another gamma's measured factor) runs instead until MIN_LOCAL steps price it, marked
-        `measuring`; then the measured prices decide. The smooth model has one slope over gamma
-        for every batch size: at one row on the demo's CPU it priced each depth ~0.44 ms where
-        the steps took ~0.27, and auto held json at gamma 2 while gamma 3 ran 4-10% faster
-        (docs/decisions.md, stop 61). At most one run per gamma and rows bucket, each at a
-        predicted loss under `min_gain`."""
+        """Where `d` speculates at gamma g, the best speculative gamma predicted within `min_gain`
+        of g on a borrowed price (`LocalCorrection.priced_by_own` false) runs instead, marked
+        `measuring`, until MIN_LOCAL steps price it (module docstring, "Near ties"). Once per
+        gamma and rows bucket, each step at a predicted loss under `min_gain`."""
         gp = d.predicted_goodput
         if d.gamma == 0 or d.measuring or d.exploring or not gp:
             return d
