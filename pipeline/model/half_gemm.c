@@ -31,12 +31,15 @@
  * Intel Skylake-SP and later, AMD Zen 4) or to AVX2 with FMA and F16C (8 lanes; Intel Haswell
  * and later, AMD Zen 1-3). RB: rows per pass over a weight panel; NV(m): vectors of output
  * columns per pass at m rows, so that RB x NV accumulators, the weights and the rows' broadcasts
- * fit the vector registers (32 with AVX-512, 16 with AVX2). */
+ * fit the vector registers (32 with AVX-512, 16 with AVX2); XFIRST(m, nv): hold the m rows'
+ * broadcasts and load a weight vector at a time, where that fits the registers and holding nv
+ * weights would not (gcc spills accumulators otherwise). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VW 16
 #define RB 8              /* 8 x 4 accumulators: measured no slower than 6-row passes at 1-6 rows,
                              1.1-1.65x faster at 7-8 (docs/decisions.md, stop 49) */
 #define NV(m) 4
+#define XFIRST(m, nv) 0   /* the weights held: 32 registers hold 8 x 4 accumulators */
 typedef __m512 vf;
 typedef __m512i vi;
 typedef __mmask16 vm;
@@ -97,6 +100,9 @@ static inline vm vbytes(const uint8_t *p, int n) {
 #define VW 8
 #define RB 6              /* 6 x 16 columns: 12 accumulators, 2 weights, a broadcast */
 #define NV(m) ((m) <= 2 ? 8 : (m) <= 4 ? 4 : 2)  /* measured on Zen 3: docs/decisions.md, stop 51 */
+/* Hold the rows' broadcasts where holding nv weights would spill accumulators and the
+ * broadcasts fit: 3 rows x 4 vectors (12 + 3 + 1 registers) */
+#define XFIRST(m, nv) ((m) > 1 && (m) * (nv) + (nv) + 1 > 16 && (m) * (nv) + (m) + 1 <= 16)
 typedef __m256 vf;
 typedef __m256i vi;
 typedef __m256i vm;
@@ -179,12 +185,21 @@ static inline __attribute__((always_inline)) void panel(int m, int nv, int k, co
         const uint16_t *q = p + (size_t)i * PANEL + s;
         for (int c = 0; c < nv * VW; c += 32)     /* 32 float16 weights: a cache line */
             _mm_prefetch((const char *)(q + PREFETCH * PANEL + c), _MM_HINT_T0);
-        vf w[PANEL / VW];
-        for (int j = 0; j < nv; j++) w[j] = vhalf(q + j * VW);
-        for (int r = 0; r < RB; r++) {
-            if (r < m) {
-                vf xv = vset(x[(size_t)r * k + i]);
-                for (int j = 0; j < nv; j++) acc[r][j] = vfma(xv, w[j], acc[r][j]);
+        if (XFIRST(m, nv)) {              /* the rows' broadcasts held, a weight at a time */
+            vf xb[RB];
+            for (int r = 0; r < RB; r++) if (r < m) xb[r] = vset(x[(size_t)r * k + i]);
+            for (int j = 0; j < nv; j++) {
+                vf wj = vhalf(q + j * VW);
+                for (int r = 0; r < RB; r++) if (r < m) acc[r][j] = vfma(xb[r], wj, acc[r][j]);
+            }
+        } else {                          /* the weights held, a row's broadcast at a time */
+            vf w[PANEL / VW];
+            for (int j = 0; j < nv; j++) w[j] = vhalf(q + j * VW);
+            for (int r = 0; r < RB; r++) {
+                if (r < m) {
+                    vf xv = vset(x[(size_t)r * k + i]);
+                    for (int j = 0; j < nv; j++) acc[r][j] = vfma(xv, w[j], acc[r][j]);
+                }
             }
         }
     }
@@ -217,10 +232,15 @@ static void gemm_columns(int m, int k, int n, const float *x, const uint16_t *w,
          pass7, pass8
 #endif
         };
-    for (int r = 0; r < m; r += RB) {
-        int rows = m - r < RB ? m - r : RB;
-        passes[rows](k, n, c0, c1, x + (size_t)r * k, w, b, y + (size_t)r * n);
+    if (m <= RB) {
+        passes[m](k, n, c0, c1, x, w, b, y);
+        return;
     }
+    for (int c = c0; c < c1; c += PANEL)          /* more rows: a panel read from memory once, then from L2 */
+        for (int r = 0; r < m; r += RB) {
+            int rows = m - r < RB ? m - r : RB;
+            passes[rows](k, n, c, c + PANEL < c1 ? c + PANEL : c1, x + (size_t)r * k, w, b, y + (size_t)r * n);
+        }
 }
 
 /* ---- Threads ------------------------------------------------------------------------------
