@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection, fit_cost_model
+from pipeline.spec_decode.cost import MIN_LOCAL, REVISIT_STEPS, CostModel, LocalCorrection, context_bucket, fit_cost_model
 from pipeline.spec_decode.policy import (ROW_PRIOR, Decision, GoodputPolicy, StepContext, choose_gamma, estimate_acceptance,
                                   expected_tokens, row_acceptance, upper_acceptance)
 from pipeline.spec_decode.stats import SpecStats, StepRecord
@@ -378,12 +378,16 @@ def test_gamma_0_priced_in_a_slow_spell_is_re_measured_within_its_budget():
     assert first > 0 and not d.measuring
     gap = d.predicted_goodput[first] / d.predicted_goodput[0] - 1
     due = MIN_LOCAL * gap / policy.remeasure_share
-    steps = 0
+    steps, window = 0, 0.0
     while (g := policy.choose(ctx)) > 0:       # speculate, at what gamma `first` really costs
+        e = policy.decisions[-1]
+        if e.measuring:                        # a rival gamma's re-measure (`_measure_rival`): it
+            rival = 1 - e.predicted_goodput[g] / e.predicted_goodput[first]     # holds the budget
+            window = max(window, MIN_LOCAL * max(rival, policy.min_gain) / policy.remeasure_share)
         ms = 14.0 * measured.modelled_step_s(1, g, 100) / measured.modelled_step_s(1, 1, 100)
         _timed_steps(local, measured, g, ms, 1)
         steps += 1
-        assert steps <= due + policy.recheck_steps + 1, "gamma 0 never re-measured"
+        assert steps <= due + window + policy.recheck_steps + 1, "gamma 0 never re-measured"
     assert steps >= due - 1                    # not before its budget allows
     for i in range(MIN_LOCAL):                 # the re-measure runs its MIN_LOCAL steps
         assert policy.decisions[-1].measuring and "re-measuring plain decoding" in policy.decisions[-1].reason
@@ -665,3 +669,39 @@ def test_a_near_tie_priced_by_another_gammas_steps_is_measured_then_decided_by_i
     assert all(g == 3 and not d.measuring for g, d in ran[-16:])              # the truth's best
     truth_gp = choose_gamma(truth, [0.9] * GMAX, 1, 100, GMAX).predicted_goodput
     assert max(range(GMAX + 1), key=truth_gp.__getitem__) == 3
+
+
+@pytest.mark.parametrize("context", [100, 300])
+def test_a_speculative_rival_priced_in_a_slow_spell_is_re_measured_within_its_budget(context):
+    """Acceptance 0.9 at one row: gamma 1 at 11 ms (172 tokens/s) and gamma 2 at 12 ms (226)
+    against plain decoding's 10 ms; gamma 2 was priced in a slow spell (20 ms, 136) at context
+    100, so the policy speculates at gamma 1, at that context or the next bucket's (300, where
+    gamma 2 takes context 100's price). Only the gamma run is re-priced, so gamma 2 is
+    re-measured while speculating, MIN_LOCAL steps, once its steps are older than the budget
+    allows at its predicted loss; then it takes over."""
+    local = LocalCorrection()
+    measured = replace(ROOFLINE, local=local)
+    prior = SpecStats()
+    prior.reached, prior.accepted = [10000] * 2, [9000] * 2
+    truth = {0: 10.0, 1: 11.0, 2: 12.0}
+    for g, ms in ((0, 10.0), (1, 11.0), (2, 20.0)):
+        _timed_steps(local, measured, g, ms, 8)
+        if g < 2:
+            _timed_steps(local, measured, g, ms, 8, ctx=context)
+    assert context_bucket(context) != context_bucket(100) or context == 100
+    policy = GoodputPolicy(2, lambda: measured, prior)
+    ctx = StepContext(rows=1, context_len=context, stats=SpecStats())
+    ran = []
+    for _ in range(400):
+        g = policy.choose(ctx)
+        ran.append((g, policy.decisions[-1]))
+        _timed_steps(local, measured, g, truth[g], 1, ctx=context)
+    first = ran[0][1]
+    assert first.gamma == 1 and not first.measuring
+    loss = 1 - first.predicted_goodput[2] / first.predicted_goodput[1]
+    i = next(i for i, (g, d) in enumerate(ran) if d.measuring)
+    assert i >= MIN_LOCAL * loss / policy.remeasure_share - policy.recheck_steps    # not before its budget
+    assert all(g == 1 for g, d in ran[:i])
+    assert all(g == 2 and d.measuring and "re-measuring gamma 2" in d.reason for g, d in ran[i:i + MIN_LOCAL])
+    after = [g for g, d in ran[i + MIN_LOCAL:] if not d.measuring]     # (later re-measures: gamma 1's, 0's)
+    assert len(after) > 100 and set(after) == {2}                       # then gamma 2

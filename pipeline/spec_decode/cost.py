@@ -341,6 +341,13 @@ class LocalCorrection:
         source = self._source_at(gamma, rows_bucket(rows), context_bucket(ctx))
         return source is not None and source[0] == gamma
 
+    def own_age(self, gamma: int, rows: int, ctx: float) -> int | None:
+        """Steps the engine ran elsewhere since the newest step of the bucket whose own steps
+        price this gamma at this shape (`priced_by_own`: this context bucket or the nearest
+        measured one); None where another gamma's steps price it, or none do."""
+        source = self._source_at(gamma, rows_bucket(rows), context_bucket(ctx))
+        return None if source is None or source[0] != gamma else self.clock - self.last[source]
+
     def _factor_at(self, gamma: int, rb: int, cb: int) -> float:
         source = self._source_at(gamma, rb, cb)
         return self.factors[source] if source is not None else 1.0

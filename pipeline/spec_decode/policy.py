@@ -51,7 +51,10 @@ gamma 0 to be chosen, since predictions carry a few percent of error.
   not each bucket's: a re-measure starts only once the last one's MIN_LOCAL * gap /
   `remeasure_share` steps have passed (`LocalCorrection.next_remeasure`). Per bucket, a batch
   of 48 draining through ten rows buckets after a long batch-1 call re-measured every one of
-  them: 35 of 126 steps, 10%.
+  them: 35 of 126 steps, 10%. Likewise while speculating at g: the best other speculative
+  gamma priced by steps of its own at these rows (at this context or the nearest) is
+  re-measured on that budget at its predicted loss behind g, since only the gamma run is
+  re-priced (`_measure_rival`).
 - Near ties priced by their own steps: where a speculative gamma is chosen and another is
   predicted within `min_gain` of it on a borrowed price (no steps of its own at these rows: the
   smooth model times another gamma's measured factor), that gamma runs MIN_LOCAL steps, marked
@@ -280,6 +283,7 @@ class GoodputPolicy:
             d = self._measure_runner_up(d, model.local, ctx.rows, ctx.context_len)
             d = self._measure_speculation(d, model.local, ctx.rows, ctx.context_len, ctx.waiting_fill_total_s)
             d = self._measure_near_tie(d, model.local, ctx.rows, ctx.context_len)
+            d = self._measure_rival(d, model.local, ctx.rows, ctx.context_len)
         return self._record(d)
 
     def _priced(self, model: CostModel, acceptance: list[float], ctx: StepContext) -> Decision:
@@ -387,6 +391,23 @@ class GoodputPolicy:
                            f"gamma's price; then: {d.reason}",
                         d.candidates, gp, d.acceptance, measuring=True)
 
+    def _measure_rival(self, d: Decision, local: LocalCorrection, rows: int, ctx: float) -> Decision:
+        """Where `d` speculates at gamma g, the best other speculative gamma priced by steps of its
+        own at these rows is re-measured on the budget plain decoding's price is (`_remeasure`,
+        its loss how far it is predicted behind g): a price taken in a slow spell would
+        otherwise hold the policy at g for good, since only the gamma run is re-priced.
+        Example: at one row gamma 2's steps, run in a slow spell, read 2.9x the model where
+        gamma 1's read 1.3-2.2x; auto ran gamma 1 at 0.8-0.9x gamma 2's speed, every call."""
+        gp = d.predicted_goodput
+        if d.gamma == 0 or d.measuring or d.exploring or not gp:
+            return d
+        own = [k for k in range(1, len(gp)) if k != d.gamma and local.own_age(k, rows, ctx) is not None]
+        if not own:
+            return d
+        g = max(own, key=lambda k: (gp[k], -k))
+        gap = max(1 - gp[g] / gp[d.gamma], self.min_gain)
+        return self._remeasure(d, g, f"gamma {g}", gap, local, rows, ctx)
+
     def _remeasure(self, d: Decision, gamma: int, what: str, gap: float, local: LocalCorrection, rows: int,
                    ctx: float) -> Decision:
         """`d`, or `gamma` run instead of it while this policy's re-measure of that shape is
@@ -420,6 +441,10 @@ def _remeasured(d: Decision, gamma: int, what: str, gap: float, local: LocalCorr
     what it is predicted to lose per step: how far behind, and a speculation's waiting fills).
     None when its price stands."""
     age, visit = local.age(gamma, rows, ctx), local.visit_steps(gamma, rows, ctx)
+    if age is None:                    # not run at this context: its price is its nearest context's
+        age = local.own_age(gamma, rows, ctx)
+        if age is None:
+            return None
     ongoing = started and visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
     if not ongoing and age <= MIN_LOCAL * gap / share:
         return None
