@@ -397,7 +397,8 @@ class GoodputPolicy:
         its loss how far it is predicted behind g): a price taken in a slow spell would
         otherwise hold the policy at g for good, since only the gamma run is re-priced.
         Example: at one row gamma 2's steps, run in a slow spell, read 2.9x the model where
-        gamma 1's read 1.3-2.2x; auto ran gamma 1 at 0.8-0.9x gamma 2's speed, every call."""
+        gamma 1's read 1.2-2.2x; auto ran gamma 1 on ~95% of its steps, at 0.84-1.02x fixed
+        gamma 2's speed over six calls (docs/decisions.md, stop 62)."""
         gp = d.predicted_goodput
         if d.gamma == 0 or d.measuring or d.exploring or not gp:
             return d
