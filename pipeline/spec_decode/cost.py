@@ -338,8 +338,7 @@ class LocalCorrection:
     def priced_by_own(self, gamma: int, rows: int, ctx: float) -> bool:
         """Whether `factor` at this shape comes from this gamma's own steps at these rows (at this
         context bucket or the nearest measured one), not from another gamma's."""
-        source = self._source_at(gamma, rows_bucket(rows), context_bucket(ctx))
-        return source is not None and source[0] == gamma
+        return self.own_age(gamma, rows, ctx) is not None
 
     def own_age(self, gamma: int, rows: int, ctx: float) -> int | None:
         """Steps the engine ran elsewhere since the newest step of the bucket whose own steps

@@ -402,7 +402,7 @@ class GoodputPolicy:
         gp = d.predicted_goodput
         if d.gamma == 0 or d.measuring or d.exploring or not gp:
             return d
-        own = [k for k in range(1, len(gp)) if k != d.gamma and local.own_age(k, rows, ctx) is not None]
+        own = [k for k in range(1, len(gp)) if k != d.gamma and local.priced_by_own(k, rows, ctx)]
         if not own:
             return d
         g = max(own, key=lambda k: (gp[k], -k))
@@ -444,8 +444,8 @@ def _remeasured(d: Decision, gamma: int, what: str, gap: float, local: LocalCorr
     age, visit = local.age(gamma, rows, ctx), local.visit_steps(gamma, rows, ctx)
     if age is None:                    # not run at this context: its price is its nearest context's
         age = local.own_age(gamma, rows, ctx)
-        if age is None:
-            return None
+    if age is None:
+        return None
     ongoing = started and visit < MIN_LOCAL and age <= REVISIT_STEPS          # a re-measure under way
     if not ongoing and age <= MIN_LOCAL * gap / share:
         return None
