@@ -327,6 +327,61 @@ def test_the_c_argmax_is_torchs_on_ties_nans_and_infinities(threads, kernels):
     assert torch.equal(native.argmax(x.double()), x.double().argmax(-1))   # not float32: torch's
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_c_greedy_head_is_greedy_accept_over_the_output_linears_logits(threads, kernels):
+    """half_gemm.c `greedy_head` (a greedy verify's output linear, argmax and acceptance in one
+    call) returns what `greedy_accept` returns over the same GEMM's logits: rows that keep none,
+    some, all of their drafts or stop at a -1 pad, 1-13 rows, a vocabulary not a whole number of
+    panels, a bias, rows split over a pool; a plain step (no drafts) keeps none."""
+    from pipeline.model import native
+    from pipeline.model.packed import Fp16WeightLinear
+    from pipeline.spec_decode.acceptance import greedy_accept
+    gen = torch.Generator().manual_seed(5)
+    k, v = 96, 6144 + 37
+    linear = Fp16WeightLinear(torch.randn(v, k, generator=gen).half().float(), torch.randn(v, generator=gen),
+                              kernel="native")
+    for n, q in ((1, 1), (1, 4), (5, 3), (13, 6)):
+        hidden = torch.randn(n, q, k, generator=gen)
+        logits = native.linear(hidden, linear._packed, linear._bias, v, lib=kernels)
+        target = logits.argmax(-1)                                          # [n, q]
+        drafts = torch.randint(0, v, (n, q - 1), generator=gen)
+        for r in range(n):                                                  # keep r % q drafts
+            drafts[r, :r % q] = target[r, :r % q]
+        if n > 1 and q > 2:
+            drafts[1, :] = target[1, :-1]
+            drafts[1, 1] = -1                                               # a pad stops the row
+        with _Pool(kernels, threads):
+            got = native.greedy_head(linear, hidden, drafts, lib=kernels)
+        want = greedy_accept(drafts, logits)
+        assert got is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[0].tolist() == [(1 if n > 1 and q > 2 and r == 1 else r % q) for r in range(n)]
+
+
+def test_greedy_steps_take_the_c_head_with_the_same_tokens(tmp_path, monkeypatch):
+    """The engine's greedy uniform steps verify through native.greedy_head (one call a step,
+    plain steps included) and emit what the step emits with torch's logits and acceptance."""
+    from pipeline.engine import SamplingParams
+    from pipeline.model import native
+    engine = _native_demo_like_engine(tmp_path, monkeypatch, heads=1)
+    real, calls = native.greedy_head, []
+
+    def counted(*args, **kw):
+        got = real(*args, **kw)
+        calls.append(got is not None)
+        return got
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 1, 2, 9, 10]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outs = {}
+    for name, fn in (("c", counted), ("torch", lambda *a, **k: None)):
+        monkeypatch.setattr(native, "greedy_head", fn)
+        for g in (0, 2):
+            calls.clear()
+            outs[name, g] = [o.token_ids for o in engine.generate(prompts, params, gamma=g, draft="mtp")]
+            if name == "c":                                       # one C call a step, each taken
+                assert len(calls) == len(engine.last_stats.steps) > 0 and all(calls)
+    assert outs["c", 0] == outs["torch", 0] and outs["c", 2] == outs["torch", 2]
+
+
 def _forked_gemm(lib_path, queue):
     from pipeline.model import native
     torch.set_num_threads(1)            # torch's own OpenMP team does not survive a fork (its matmuls hang)

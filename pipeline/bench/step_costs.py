@@ -1,8 +1,9 @@
 """Step-cost ratios of a checkpoint: verify(q) / verify(1), and what one draft depth costs
 against a gamma-0 step, at a few batch sizes and contexts.
 
-verify(q): one target forward of rows x q tokens at context `ctx`, its float32 logits and their
-argmax, as the engine's verify step runs it. Drafting is timed through the engine's own draft
+verify(q): one target forward of rows x q tokens at context `ctx`, its output projection, argmax
+and greedy acceptance, as the engine's greedy verify step runs it (pipeline.engine.verify
+`greedy_verify`). Drafting is timed through the engine's own draft
 sources (`Engine.draft_sources`, each one's `probe`): draft(g), a source costed per depth (the
 heads) proposing g tokens (the fill over g + 1 accepted tokens, then g depths); the depth cost
 is the slope (draft(g) - draft(1)) / (g - 1) and draft(1) is reported apart (it holds the fill);
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.model import native
-from pipeline.model.cache import Batch, KVCache
+from pipeline.engine.verify import greedy_verify
+from pipeline.model.cache import KVCache
 
 
 @dataclass
@@ -112,11 +113,10 @@ def baseline_engine(model, device: str):
 def _verify_fn(engine, cache, rows: int, ctx: int, q: int, gen):
     dev = engine.device
     tokens = torch.randint(0, engine.config.vocab_size, (rows, q), generator=gen).to(dev)
-    positions = (torch.full((rows, 1), ctx) + torch.arange(q)).to(dev)            # [rows, q]
+    lengths = torch.full((rows,), ctx, device=dev)
 
     def step():
-        hidden = engine.target(tokens, Batch.make(positions), cache)
-        return native.argmax(engine.target.logits(hidden))
+        return greedy_verify(engine.target, cache, tokens[:, 0], tokens[:, 1:], lengths)
     return step
 
 

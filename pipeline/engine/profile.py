@@ -14,10 +14,8 @@ import time
 
 import torch
 
-from pipeline.engine.verify import uniform_verify
-from pipeline.model import native
+from pipeline.engine.verify import greedy_verify
 from pipeline.model.cache import KVCache
-from pipeline.spec_decode.acceptance import greedy_accept
 from pipeline.spec_decode.stats import StepRecord
 
 
@@ -39,7 +37,7 @@ def rows_grid(max_rows: int) -> list[int]:
 def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128, reps: int = 2,
                   rows_list: list[int] | None = None) -> list[StepRecord]:
     """Time verify steps of rows x (gamma + 1) tokens (the forward, logits and greedy acceptance
-    a step runs: `uniform_verify`), and drafts of gamma tokens by every
+    a step runs: `greedy_verify`), and drafts of gamma tokens by every
     draft source the checkpoint has, at a few batch sizes (`rows_list`, default
     `rows_grid(max_rows)`) and two context lengths. Each is the least of `reps` timings, or of up
     to MAX_REPS for a shape that fits them in SHAPE_BUDGET_S. Takes a few seconds for the demo
@@ -59,8 +57,7 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
                 lengths = torch.full((rows,), ctx, device=dev)
 
                 def verify():                  # a greedy step's verify and acceptance, as the engine runs them
-                    _, logits, _ = uniform_verify(engine.target, cache, tokens[:, 0], tokens[:, 1:], lengths)
-                    num_acc, emitted = greedy_accept(tokens[:, 1:], logits, native.argmax)
+                    _, num_acc, emitted, _ = greedy_verify(engine.target, cache, tokens[:, 0], tokens[:, 1:], lengths)
                     return num_acc.tolist(), emitted.tolist()
 
                 v = least_time(verify, reps, dev)

@@ -20,7 +20,7 @@ from pipeline.engine.coupled import CoupledDraftPick, CoupledSampler
 from pipeline.engine.drafters import TaskIndex
 from pipeline.engine.drafting import DraftPlanner, StepDrafts
 from pipeline.engine.emit import emit_ragged, emit_uniform
-from pipeline.engine.verify import choose_layout, uniform_verify, verify_forward
+from pipeline.engine.verify import choose_layout, greedy_verify, uniform_verify, verify_forward
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.warm_start import ensure_profile
 from pipeline.engine.rows import Row
@@ -209,7 +209,10 @@ class GenerateRun:
             self.e.costs.note_prompt_fill(fill_s, filled)
         uniform = plan.draft_len is None or width == 0                                # every row drafts `width`
         layout = "padded" if uniform else choose_layout(plan.draft_len, width, self.e.verify_layout)
-        if uniform:
+        if uniform and self.params.greedy:
+            hidden, num_acc, emitted, _ = greedy_verify(self.e.target, self.cache, s.last_token[:n], drafts, lengths)
+            computed = n * (width + 1)
+        elif uniform:
             hidden, logits, positions = uniform_verify(self.e.target, self.cache, s.last_token[:n], drafts, lengths)
             computed = n * (width + 1)
             num_acc, emitted = self._accept(drafts, plan.probs, logits, keys, positions)

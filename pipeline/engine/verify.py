@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.model import native
 from pipeline.model.cache import Batch
+from pipeline.spec_decode.acceptance import greedy_accept
 
 PACK_SHARE = 0.3      # layout "auto": pack when real tokens are at most this share of the padded ones (CPU)
 
@@ -41,6 +43,22 @@ def uniform_verify(target, cache, last_token: torch.Tensor, drafts: torch.Tensor
     tokens = torch.cat([last_token[:, None], drafts], dim=1)
     hidden = target(tokens, Batch.make(positions), cache)
     return hidden, target.logits(hidden), positions
+
+
+def greedy_verify(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor):
+    """`uniform_verify` of a greedy step with its acceptance (`greedy_accept` over the C
+    argmax): returns (hidden [n, G + 1, H], num_accepted [n], emitted [n, G + 1], positions).
+    Where the target's output linear is on the C GEMM, its logits, argmax and acceptance are one
+    call (native.greedy_head: a dozen small torch calls fewer a step, each slow after the
+    forward has streamed the weights through the caches). The engine's greedy steps and the cost
+    profile both take it."""
+    positions = lengths[:, None] + torch.arange(drafts.shape[1] + 1, device=lengths.device)
+    tokens = torch.cat([last_token[:, None], drafts], dim=1)
+    hidden = target(tokens, Batch.make(positions), cache)
+    got = native.greedy_head(target.output_linear(), hidden, drafts)
+    if got is None:
+        got = greedy_accept(drafts, target.logits(hidden), native.argmax)
+    return hidden, got[0], got[1], positions
 
 
 def verify_forward(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,

@@ -1,6 +1,7 @@
 /* A CPU step's few rows in C (pipeline/model/native.py): `half_gemm` (below), `rms_norm`,
  * `attend` (RoPE, KV-cache write, attention), `decoder_layer` (a whole layer), `mtp_forward`
- * (an MTP head) and `mtp_greedy` (a head's greedy drafts); `decoder_stack`: a target's layers.
+ * (an MTP head) and `mtp_greedy` (a head's greedy drafts); `decoder_stack`: a target's layers;
+ * `greedy_head`: a greedy verify's output linear, argmax and acceptance.
  *
  * half_gemm: y[m, n] = x[m, k] @ W[n, k]^T (+ b) for a few rows m, W stored as float16 in panels of 64
  * output columns, [n / 64][k][64]: a panel is read once, front to back, for up to RB rows at a
@@ -1030,6 +1031,23 @@ void argmax_rows(int n, int v, const float *x, int64_t *out) {
     int items = pool_items(n, (long)n * v / ARGMAX_ITEM_VALUES);
     ArgmaxJob job = {n, v, items, x, out};
     parallel(argmax_item, &job, items);
+}
+
+/* A greedy verify's output in one call (pipeline/engine/verify.py `greedy_verify`): the output
+ * linear over the m = n q hidden rows x [m, k] (half_gemm: w packed [v, k], bias b) into scratch
+ * logits [m, v], each row's argmax (argmax_rows' rule) into tokens [n, q], and each row's accepted
+ * drafts: the length of the prefix of drafts [n, q - 1] equal to its tokens (a -1 pad equals none).
+ * Example, q 3: drafts [5, 7], tokens [5, 9, 4] -> accepted 1. */
+void greedy_head(int n, int q, int k, int v, const float *x, const uint16_t *w, const float *b,
+                 const int64_t *drafts, int64_t *tokens, int64_t *accepted, float *logits) {
+    int m = n * q;
+    half_gemm(m, k, v, x, w, b, logits);
+    argmax_rows(m, v, logits, tokens);
+    for (int r = 0; r < n; r++) {
+        int a = 0;
+        while (a < q - 1 && drafts[(size_t)r * (q - 1) + a] == tokens[(size_t)r * q + a]) a++;
+        accepted[r] = a;
+    }
 }
 
 /* ---- coupled sampling's noise ---------------------------------------------------------------- */

@@ -220,6 +220,9 @@ def load(path: Path):
     if hasattr(lib, "argmax_rows"):
         lib.argmax_rows.restype = None
         lib.argmax_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    if hasattr(lib, "greedy_head"):
+        lib.greedy_head.restype = None
+        lib.greedy_head.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 7
     lib.mtp_forward.restype = ctypes.c_int
     lib.mtp_forward.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 9
                                 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p])
@@ -479,6 +482,28 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     elif rows.shape[0]:
         return argmax_last(x)                     # (no values: torch's own error)
     return out.view(x.shape[:-1])
+
+
+def greedy_head(linear, hidden: torch.Tensor, drafts: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A greedy verify's acceptance from its final hidden states [n, G + 1, k] (float32, CPU) in
+    one C call (half_gemm.c `greedy_head`): the output linear `linear` (an Fp16WeightLinear on the
+    C GEMM), the argmax at each position (`argmax`'s rule) and the drafts [n, G] kept. Returns
+    (num_accepted [n], emitted [n, G + 1]) as `greedy_accept` over `linear`'s logits does, or
+    None where the C path does not take it (torch's kernel, too many rows, no such function)."""
+    lib = lib or library()
+    n, q, k = hidden.shape
+    if (lib is None or not hasattr(lib, "greedy_head") or getattr(linear, "kernel", None) != "native"
+            or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or drafts.shape != (n, q - 1)
+            or drafts.dtype != torch.long
+            or (linear.max_rows is not None and n * q > linear.max_rows)):
+        return None
+    hidden, drafts = hidden.contiguous(), drafts.contiguous()
+    emitted = torch.empty(n, q, dtype=torch.long)
+    accepted = torch.empty(n, dtype=torch.long)
+    logits = torch.empty(n * q * linear.out_features)
+    lib.greedy_head(n, q, k, linear.out_features, hidden.data_ptr(), *linear._ptrs, drafts.data_ptr(),
+                    emitted.data_ptr(), accepted.data_ptr(), logits.data_ptr())
+    return accepted, emitted
 
 
 C_NOISE = True       # False: exponential_noise is torch's (rng.exponential_noise), for comparisons

@@ -179,6 +179,11 @@ class TargetModel(nn.Module):
         b, t = input_ids.shape
         return self.forward(input_ids, Batch.from_start(b, t, input_ids.device), None)
 
+    def output_linear(self):
+        """The packed output projection `logits` runs (lm_head, or the tied embedding's), or None
+        where it multiplies by the embedding in torch."""
+        return self.lm_head if self.lm_head is not None else self.tied_head
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in float32."""
         if self.lm_head is not None:
