@@ -767,8 +767,9 @@ def test_native_decoder_layer_is_the_modules_forward(qkv_bias, window, monkeypat
     """A packed, fused DecoderLayer as one C call (native.decoder_layer) against the same layer
     through its modules with torch's attention: a step's shapes (1-3 rows of 1-6
     tokens, cache rows out of order, key holes), biases, a sliding window; the same cache
-    writes (to rounding: past its crossover a module's linear is MKL's). Past its linears'
-    float16 rows the layer takes the modules."""
+    writes (to rounding: past its crossover a module's linear is MKL's). Its linears' crossovers
+    set no cap on the C layer (a crossover of 4 rows: 18 tokens in one call); past a cap set on
+    it the layer takes the modules."""
     from pipeline.model.cache import Batch, KVCache
     from pipeline.model.config import ArchConfig
     from pipeline.model import packed
@@ -784,10 +785,10 @@ def test_native_decoder_layer_is_the_modules_forward(qkv_bias, window, monkeypat
         for p in layer.parameters():
             p.copy_((torch.randn(p.shape, generator=gen) * 0.3).half().float())
     layer.fuse_()
+    monkeypatch.setattr(packed, "fp16_gemm_rows", lambda *key: 4)      # a crossover at 4 rows
     pack_linears_(layer)
     nl = layer.native_layer
-    assert nl is not None
-    nl.max_tokens = None                                    # whatever this machine's crossover
+    assert nl is not None and nl.max_tokens is None and layer.mlp.down_proj.max_rows == 4
     calls = []
     real = nl.lib
 
@@ -821,7 +822,7 @@ def test_native_decoder_layer_is_the_modules_forward(qkv_bias, window, monkeypat
         torch.testing.assert_close(caches[0].k, caches[1].k, rtol=1e-5, atol=1e-6)   # the modules' linears
         torch.testing.assert_close(caches[0].v, caches[1].v, rtol=1e-5, atol=1e-6)   # may be MKL's past 8 rows
     assert calls == [1, 6, 18]
-    nl.max_tokens = 6                                       # its linears' float16 rows: 18 tokens take the modules
+    nl.max_tokens = 6                                       # a cap of 6 tokens: 18 take the modules
     batch = Batch.make(torch.arange(6).expand(3, 6) + 2, kv_len=40)
     batch.cos, batch.sin = torch.ones(3, 6, 8), torch.zeros(3, 6, 8)
     layer.block(torch.randn(3, 6, 48), batch, KVCache(1, 3, 40, 2, 8, torch.float32, "cpu"), 0)

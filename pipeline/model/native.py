@@ -345,9 +345,13 @@ class LayerWeights(ctypes.Structure):
 
 
 class NativeLayer:
-    """A DecoderLayer as one C call (`decoder_layer`) for forwards of up to `max_tokens` tokens:
-    its weights' pointers (the module keeps the tensors alive), its attention window and the
-    scratch size per token."""
+    """A DecoderLayer as one C call (`decoder_layer`) for forwards of up to `max_tokens` tokens
+    (None: any a step has, `layers.NATIVE_ATTN_TOKENS`): its weights' pointers (the module keeps
+    the tensors alive), its attention window and the scratch size per token.
+    `layer_weights` sets no cap from its linears' GEMM crossovers (`packed.fp16_gemm_rows`): that
+    timing pits one GEMM against MKL's, drawn anew in each process (16 to any rows here on the
+    demo's shapes), while past a cap the whole layer ran torch's modules, each step 1.2-2.6x the C
+    layer's at 8-512 tokens with 1 thread, 1.9-3.6x with 2 (docs/decisions.md, stop 63)."""
 
     def __init__(self, weights: LayerWeights, max_tokens: int | None, scratch: int, window: int | None, lib):
         self.weights, self.max_tokens, self.scratch, self.window, self.lib = weights, max_tokens, scratch, window, lib
@@ -369,12 +373,11 @@ def layer_weights(layer) -> NativeLayer | None:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
         return None
-    caps = [m.max_rows for m in linears if m.max_rows is not None]
     w = LayerWeights(attn.o_proj.out_features, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                      mlp.down_proj.in_features, norms[0].eps, norms[1].eps, norms[0].weight.data_ptr(),
                      norms[1].weight.data_ptr(), *(m._ptrs[0] for m in linears), *(m._ptrs[1] for m in linears))
     hq_d, qkv_d = attn.num_heads * attn.head_dim, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
-    return NativeLayer(w, min(caps) if caps else None, w.hidden + qkv_d + hq_d + 3 * w.inter, attn.window, lib)
+    return NativeLayer(w, None, w.hidden + qkv_d + hq_d + 3 * w.inter, attn.window, lib)
 
 
 def decoder_layer(native_layer: NativeLayer, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
@@ -563,8 +566,7 @@ def head_weights(head, table: torch.Tensor) -> NativeHead | None:
     if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in parts):
         return None
     w = MtpInput(table.shape[1], head.enorm.eps, head.hnorm.eps, *(t.data_ptr() for t in parts), *eh._ptrs)
-    caps = [c for c in (eh.max_rows, layer.max_tokens) if c is not None]
-    return NativeHead(w, layer, min(caps) if caps else None)
+    return NativeHead(w, layer, layer.max_tokens)
 
 
 def mtp_forward(native_head: NativeHead, prev: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
@@ -616,8 +618,7 @@ class NativeDraft:
         self.head, self.norm, self.linear = head, norm, linear
         self.ids = None if ids is None else ids.to(torch.long).contiguous()
         self.vout = linear.out_features
-        caps = [c for c in (head.max_tokens, linear.max_rows) if c is not None]
-        self.max_tokens = min(caps) if caps else None      # rows up to which the C path runs
+        self.max_tokens = head.max_tokens                  # rows up to which the C path runs
         layer = head.layer.weights
         self.scratch = 2 * layer.d + 2 * layer.hidden + self.vout + head.scratch
 
