@@ -57,7 +57,7 @@ def profile_costs(engine, max_rows: int, gamma_max: int, context_len: int = 128,
                 lengths = torch.full((rows,), ctx, device=dev)
 
                 def verify():                  # a greedy step's verify and acceptance, as the engine runs them
-                    _, num_acc, emitted, _ = greedy_verify(engine.target, cache, tokens[:, 0], tokens[:, 1:], lengths)
+                    _, num_acc, emitted = greedy_verify(engine.target, cache, tokens[:, 0], tokens[:, 1:], lengths)
                     return num_acc.tolist(), emitted.tolist()
 
                 v = least_time(verify, reps, dev)

@@ -210,7 +210,7 @@ class GenerateRun:
         uniform = plan.draft_len is None or width == 0                                # every row drafts `width`
         layout = "padded" if uniform else choose_layout(plan.draft_len, width, self.e.verify_layout)
         if uniform and self.params.greedy:
-            hidden, num_acc, emitted, _ = greedy_verify(self.e.target, self.cache, s.last_token[:n], drafts, lengths)
+            hidden, num_acc, emitted = greedy_verify(self.e.target, self.cache, s.last_token[:n], drafts, lengths)
             computed = n * (width + 1)
         elif uniform:
             hidden, logits, positions = uniform_verify(self.e.target, self.cache, s.last_token[:n], drafts, lengths)

@@ -37,28 +37,30 @@ def packs(drafts: int, n: int, width: int) -> bool:
 def uniform_verify(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor):
     """Every row verifies its last token and all G drafts (a gamma's step, or a plain one at
     G = 0): last_token [n], drafts [n, G], lengths [n] cache lengths. Returns (hidden
-    [n, G + 1, H], logits [n, G + 1, V], positions [n, G + 1]). The engine's step and its cost
-    profile (pipeline.engine.profile) both verify through it, so the profile times what a step runs."""
-    positions = lengths[:, None] + torch.arange(drafts.shape[1] + 1, device=lengths.device)
-    tokens = torch.cat([last_token[:, None], drafts], dim=1)
-    hidden = target(tokens, Batch.make(positions), cache)
+    [n, G + 1, H], logits [n, G + 1, V], positions [n, G + 1]). A greedy step takes
+    `greedy_verify`, its forward the same."""
+    hidden, positions = _uniform_forward(target, cache, last_token, drafts, lengths)
     return hidden, target.logits(hidden), positions
 
 
 def greedy_verify(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor):
     """`uniform_verify` of a greedy step with its acceptance (`greedy_accept` over the C
-    argmax): returns (hidden [n, G + 1, H], num_accepted [n], emitted [n, G + 1], positions).
-    Where the target's output linear is on the C GEMM, its logits, argmax and acceptance are one
-    call (native.greedy_head: a dozen small torch calls fewer a step, each slow after the
-    forward has streamed the weights through the caches). The engine's greedy steps and the cost
-    profile both take it."""
-    positions = lengths[:, None] + torch.arange(drafts.shape[1] + 1, device=lengths.device)
-    tokens = torch.cat([last_token[:, None], drafts], dim=1)
-    hidden = target(tokens, Batch.make(positions), cache)
+    argmax): returns (hidden [n, G + 1, H], num_accepted [n], emitted [n, G + 1]). Where the
+    target's output linear is on the C GEMM, its logits, argmax and acceptance are one call
+    (native.greedy_head: a dozen small torch calls fewer a step, each slow after the forward has
+    streamed the weights through the caches). The engine's greedy steps and its cost profile
+    (pipeline.engine.profile) both verify through it, so the profile times what a step runs."""
+    hidden, _ = _uniform_forward(target, cache, last_token, drafts, lengths)
     got = native.greedy_head(target.output_linear(), hidden, drafts)
     if got is None:
         got = greedy_accept(drafts, target.logits(hidden), native.argmax)
-    return hidden, got[0], got[1], positions
+    return hidden, got[0], got[1]
+
+
+def _uniform_forward(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor):
+    positions = lengths[:, None] + torch.arange(drafts.shape[1] + 1, device=lengths.device)
+    tokens = torch.cat([last_token[:, None], drafts], dim=1)
+    return target(tokens, Batch.make(positions), cache), positions
 
 
 def verify_forward(target, cache, last_token: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
