@@ -349,9 +349,9 @@ class NativeLayer:
     (None: any a step has, `layers.NATIVE_ATTN_TOKENS`): its weights' pointers (the module keeps
     the tensors alive), its attention window and the scratch size per token.
     `layer_weights` sets no cap from its linears' GEMM crossovers (`packed.fp16_gemm_rows`): that
-    timing pits one GEMM against MKL's, drawn anew in each process (16 to any rows here on the
-    demo's shapes), while past a cap the whole layer ran torch's modules, each step 1.2-2.6x the C
-    layer's at 8-512 tokens with 1 thread, 1.9-3.6x with 2 (docs/decisions.md, stop 63)."""
+    timing pits one GEMM against MKL's and is drawn anew in each process, while past a cap the
+    whole layer ran torch's modules, slower than the C layer at every step width measured
+    (docs/decisions.md, stop 63)."""
 
     def __init__(self, weights: LayerWeights, max_tokens: int | None, scratch: int, window: int | None, lib):
         self.weights, self.max_tokens, self.scratch, self.window, self.lib = weights, max_tokens, scratch, window, lib
