@@ -547,12 +547,16 @@ class MtpInput(ctypes.Structure):
 
 class NativeHead:
     """An MTP head's forward as one C call (`mtp_forward`): its input projection's pointers, its
-    layer's (`NativeLayer`), up to `max_tokens` tokens."""
+    layer's (`NativeLayer`), up to `max_tokens` tokens (its layer's cap)."""
 
-    def __init__(self, weights: MtpInput, layer: NativeLayer, max_tokens: int | None):
-        self.weights, self.layer, self.max_tokens = weights, layer, max_tokens
+    def __init__(self, weights: MtpInput, layer: NativeLayer):
+        self.weights, self.layer = weights, layer
         self.ref = ctypes.byref(weights)
         self.scratch = 3 * weights.hidden + layer.scratch
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.layer.max_tokens
 
 
 def head_weights(head, table: torch.Tensor) -> NativeHead | None:
@@ -566,7 +570,7 @@ def head_weights(head, table: torch.Tensor) -> NativeHead | None:
     if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in parts):
         return None
     w = MtpInput(table.shape[1], head.enorm.eps, head.hnorm.eps, *(t.data_ptr() for t in parts), *eh._ptrs)
-    return NativeHead(w, layer, layer.max_tokens)
+    return NativeHead(w, layer)
 
 
 def mtp_forward(native_head: NativeHead, prev: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
@@ -618,9 +622,13 @@ class NativeDraft:
         self.head, self.norm, self.linear = head, norm, linear
         self.ids = None if ids is None else ids.to(torch.long).contiguous()
         self.vout = linear.out_features
-        self.max_tokens = head.max_tokens                  # rows up to which the C path runs
         layer = head.layer.weights
         self.scratch = 2 * layer.d + 2 * layer.hidden + self.vout + head.scratch
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Rows up to which the C path runs: its head's (its layer's) cap."""
+        return self.head.max_tokens
 
 
 def draft_weights(head) -> NativeDraft | None:
